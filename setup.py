@@ -1,0 +1,54 @@
+"""Build and install mxps: the Python package plus the Cython hot paths in cython/."""
+import os
+
+from Cython.Build import cythonize
+from setuptools import Extension, find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _read_version():
+    ns = {}
+    with open(os.path.join(HERE, "mxps", "_version.py")) as f:
+        exec(f.read(), ns)
+    return ns["__version__"]
+
+
+EXTENSIONS = [
+    # Summing worker slices into an accumulator without the GIL (server hot path).
+    Extension("mxps._accum", ["cython/accum.pyx"], extra_compile_args=["-O3"]),
+    # Asynchronous operations on MXNet's dependency engine (worker overlap).
+    Extension("mxps._engine", ["cython/engine.pyx"], extra_compile_args=["-O2"]),
+]
+
+setup(
+    name="mxps",
+    version=_read_version(),
+    description="A bandwidth-aware parameter server plugin for Apache MXNet (kvstore='mxps')",
+    long_description=open(os.path.join(HERE, "README.md")).read()
+    if os.path.exists(os.path.join(HERE, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.8",
+    packages=find_packages(include=["mxps", "mxps.*"]),
+    package_data={"mxps": ["patches/*.patch"]},
+    ext_modules=cythonize(EXTENSIONS, compiler_directives={"language_level": "3"}),
+    install_requires=[
+        # mxps patches and drives MXNet 1.9.1 internals: exactly this version.
+        "mxnet==1.9.1",
+        # mxnet 1.9.1 uses np.bool and friends, removed in numpy 1.24.
+        "numpy>=1.17,<1.24",
+        "pyzmq>=22",
+    ],
+    extras_require={
+        # the main job (digits example) and the benchmark
+        "examples": ["scikit-learn", "gluoncv==0.10.5.post0", "matplotlib", "tqdm"],
+        "test": ["pytest", "hypothesis", "scikit-learn", "gluoncv==0.10.5.post0",
+                 "matplotlib", "tqdm"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mxps-patch=mxps.patching:main",
+        ],
+    },
+    zip_safe=False,
+)
