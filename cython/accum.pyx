@@ -1,0 +1,75 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+"""Summing worker slices into an accumulator without the GIL (compiled twin of mxps/accum_py.py).
+
+A server in sync mode receives one slice of a key from each of W workers and sums them; for big
+slices this is the server's main CPU cost.  ``add_into(acc, src)`` does ``acc += src`` in C with
+the GIL released, so the server's I/O (zmq) and other slices proceed meanwhile.  ``copy_into``
+is the first push of a round (``acc[:] = src``).  Both accept any buffer (numpy arrays, zmq
+frames' memoryviews) of float32/float64/int32/int64, typed by ``dtype_code``.
+"""
+from libc.string cimport memcpy
+from libc.stdint cimport int32_t, int64_t
+
+# dtype codes shared with mxps/wire.py
+DEF F32 = 0
+DEF F64 = 1
+DEF I32 = 4
+DEF I64 = 6
+
+
+def add_into(acc, src, int dtype_code):
+    """acc += src, elementwise; ``acc`` must be writable and the same byte length as ``src``."""
+    cdef unsigned char[::1] a = memoryview(acc).cast("B")
+    cdef const unsigned char[::1] b = memoryview(src).cast("B")
+    if a.shape[0] != b.shape[0]:
+        raise ValueError("accumulator has %d bytes, slice has %d" % (a.shape[0], b.shape[0]))
+    cdef Py_ssize_t n, i
+    cdef float *af
+    cdef const float *bf
+    cdef double *ad
+    cdef const double *bd
+    cdef int32_t *ai
+    cdef const int32_t *bi
+    cdef int64_t *al
+    cdef const int64_t *bl
+    if a.shape[0] == 0:
+        return
+    with nogil:
+        if dtype_code == F32:
+            n = a.shape[0] // 4
+            af = <float *> &a[0]
+            bf = <const float *> &b[0]
+            for i in range(n):
+                af[i] += bf[i]
+        elif dtype_code == F64:
+            n = a.shape[0] // 8
+            ad = <double *> &a[0]
+            bd = <const double *> &b[0]
+            for i in range(n):
+                ad[i] += bd[i]
+        elif dtype_code == I32:
+            n = a.shape[0] // 4
+            ai = <int32_t *> &a[0]
+            bi = <const int32_t *> &b[0]
+            for i in range(n):
+                ai[i] += bi[i]
+        elif dtype_code == I64:
+            n = a.shape[0] // 8
+            al = <int64_t *> &a[0]
+            bl = <const int64_t *> &b[0]
+            for i in range(n):
+                al[i] += bl[i]
+    if dtype_code not in (F32, F64, I32, I64):
+        raise ValueError("add_into: unsupported dtype code %d" % dtype_code)
+
+
+def copy_into(acc, src):
+    """acc[:] = src (byte copy, GIL released)."""
+    cdef unsigned char[::1] a = memoryview(acc).cast("B")
+    cdef const unsigned char[::1] b = memoryview(src).cast("B")
+    if a.shape[0] != b.shape[0]:
+        raise ValueError("accumulator has %d bytes, slice has %d" % (a.shape[0], b.shape[0]))
+    if a.shape[0] == 0:
+        return
+    with nogil:
+        memcpy(&a[0], &b[0], a.shape[0])

@@ -1,0 +1,51 @@
+"""mxps: a bandwidth-aware parameter server for Apache MXNet, as ``kvstore='mxps'``.
+
+    import mxps                      # before `import mxnet`
+    import mxnet as mx
+    trainer = gluon.Trainer(params, 'sgd', {...}, kvstore='mxps')
+
+launched like native dist_sync with MXNet's own launcher (mxnet/tools/launch.py).  In scheduler
+and server processes ``import mxps`` runs mxps's role and exits (mxps.roles); in workers it
+registers the kvstore names ``mxps`` (sync; MXPS_MODE=async for async), ``mxps_sync`` and
+``mxps_async``, and applies the in-process fixes MXNet 1.9.1 needs (mxps.patching).
+"""
+from ._version import __version__
+
+REQUIRED_MXNET = "1.9.1"
+
+
+def _check_mxnet_version():
+    # without importing mxnet: in server/scheduler processes that import never returns
+    from importlib import metadata
+    try:
+        have = metadata.version("mxnet")
+    except metadata.PackageNotFoundError:
+        raise ImportError("mxps needs mxnet==%s, which is not installed "
+                          "(pip install mxnet==%s 'numpy<1.24')"
+                          % (REQUIRED_MXNET, REQUIRED_MXNET)) from None
+    if have != REQUIRED_MXNET:
+        raise ImportError(
+            "mxps needs mxnet==%s but mxnet %s is installed: mxps drives MXNet internals "
+            "(its engine's async operations, kvstore plugin hooks, the launcher) and patches "
+            "exactly that version (see patches/). Install it with: pip install mxnet==%s"
+            % (REQUIRED_MXNET, have, REQUIRED_MXNET))
+
+
+_check_mxnet_version()
+
+from . import roles as _roles  # noqa: E402
+
+_roles.take_over()
+
+# a worker from here on
+from . import patching as _patching  # noqa: E402
+
+_patching.apply_runtime_fixes()
+
+from .kvstore import MXPS, MXPS_Async, MXPS_Sync  # noqa: E402,F401
+from .config import ConfigError  # noqa: E402,F401
+from .worker import RemoteError  # noqa: E402,F401
+from .control import PeerLostError  # noqa: E402,F401
+
+__all__ = ["MXPS", "MXPS_Async", "MXPS_Sync", "ConfigError", "RemoteError", "PeerLostError",
+           "__version__"]

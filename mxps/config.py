@@ -1,0 +1,128 @@
+"""The settings of an mxps node, read once from the environment.
+
+MXNet's launcher passes everything through environment variables (``DMLC_*``), and the kvstore
+class is built with no arguments by ``mx.kv.create``; so mxps reads its own ``MXPS_*`` settings
+from the environment too, once, validates them, and passes the frozen ``Config`` down.  Library
+code does not read ``os.environ`` anywhere else.  Every setting is documented in docs/SETTINGS.md.
+"""
+import dataclasses
+import os
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed; the message names the variable and the fix."""
+
+
+ROLES = ("worker", "server", "scheduler")
+MODES = ("sync", "async")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    role: str
+    root_uri: str
+    root_port: int
+    num_workers: int
+    num_servers: int
+    node_host: str
+    mode: str = "sync"
+    timeout: float = 120.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    bigarray_bound: int = 1000 * 1000
+    pure_python: bool = False
+    log_level: str = "WARNING"
+
+    @property
+    def sync(self):
+        return self.mode == "sync"
+
+
+def _get(env, name, default=None, required=False):
+    v = env.get(name)
+    if v is None or v == "":
+        if required:
+            raise ConfigError("%s is not set: start the job with MXNet's launcher "
+                              "(mxnet/tools/launch.py), which sets the DMLC_* variables, or set "
+                              "it by hand" % name)
+        return default
+    return v
+
+
+def _int(env, name, default=None, required=False, minimum=None):
+    v = _get(env, name, default, required)
+    try:
+        v = int(v)
+    except (TypeError, ValueError):
+        raise ConfigError("%s=%r is not an integer" % (name, env.get(name))) from None
+    if minimum is not None and v < minimum:
+        raise ConfigError("%s=%d must be at least %d" % (name, v, minimum))
+    return v
+
+
+def _float(env, name, default, minimum=0.0):
+    v = _get(env, name, default)
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError("%s=%r is not a number" % (name, env.get(name))) from None
+    if not v > minimum:
+        raise ConfigError("%s=%s must be greater than %s" % (name, v, minimum))
+    return v
+
+
+def _bool(env, name, default=False):
+    v = _get(env, name)
+    if v is None:
+        return default
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError("%s=%r: use 1 or 0" % (name, v))
+
+
+def role_from_env(env=None):
+    """The node's role from DMLC_ROLE (default: worker, as in ps-lite)."""
+    env = os.environ if env is None else env
+    role = (env.get("DMLC_ROLE") or "worker").lower()
+    if role not in ROLES:
+        raise ConfigError("DMLC_ROLE=%r: expected one of %s" % (role, ", ".join(ROLES)))
+    return role
+
+
+def from_env(env=None, mode=None):
+    """Build the Config from ``env`` (default os.environ).
+
+    ``mode`` overrides MXPS_MODE (the kvstore name ``mxps_async`` selects async).
+    """
+    env = os.environ if env is None else env
+    role = role_from_env(env)
+    if mode is None:
+        mode = (_get(env, "MXPS_MODE", "sync")).lower()
+    if mode not in MODES:
+        raise ConfigError("MXPS_MODE=%r: expected 'sync' or 'async'" % mode)
+    level = _get(env, "MXPS_LOG_LEVEL", "WARNING").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError("MXPS_LOG_LEVEL=%r: expected DEBUG, INFO, WARNING or ERROR" % level)
+    cfg = Config(
+        role=role,
+        root_uri=_get(env, "DMLC_PS_ROOT_URI", required=True),
+        root_port=_int(env, "DMLC_PS_ROOT_PORT", required=True, minimum=1),
+        num_workers=_int(env, "DMLC_NUM_WORKER", required=True, minimum=1),
+        num_servers=_int(env, "DMLC_NUM_SERVER", required=True, minimum=1),
+        node_host=_get(env, "DMLC_NODE_HOST") or _get(env, "MXPS_NODE_HOST") or "",
+        mode=mode,
+        timeout=_float(env, "MXPS_TIMEOUT", 120.0),
+        heartbeat_interval=_float(env, "MXPS_HEARTBEAT_INTERVAL", 1.0),
+        heartbeat_timeout=_float(env, "MXPS_HEARTBEAT_TIMEOUT", 10.0),
+        bigarray_bound=_int(env, "MXNET_KVSTORE_BIGARRAY_BOUND", 1000 * 1000, minimum=1),
+        pure_python=_bool(env, "MXPS_PURE_PYTHON"),
+        log_level=level,
+    )
+    if cfg.root_port > 65535:
+        raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)
+    if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
+        raise ConfigError("MXPS_HEARTBEAT_TIMEOUT=%s must exceed twice MXPS_HEARTBEAT_INTERVAL=%s"
+                          % (cfg.heartbeat_timeout, cfg.heartbeat_interval))
+    return cfg

@@ -1,0 +1,445 @@
+"""``kvstore='mxps'``: the worker side, an MXNet ``KVStoreBase`` plugin.
+
+Each push/pull/pushpull of a key becomes one *asynchronous operation on MXNet's engine*
+(mxps.engine), exactly like the native dist kvstore: the engine starts it when the gradient is
+ready (so transfers overlap with the rest of backward, highest priority first), it hands the
+slices to the I/O thread and returns; the engine sees the output written only when the last
+slice's reply has been copied in.  A tiny per-key "sequence" array is written by every operation
+of a key, so operations on one key run in the order they were issued (push then pull sees the
+push), while different keys proceed concurrently.
+"""
+import atexit
+import copy
+import logging
+import pickle
+import sys
+import threading
+import time
+import traceback
+
+import mxnet as mx
+import numpy as np
+from mxnet.kvstore import KVStoreBase
+
+from . import config, control, engine, wire
+from .ndview import handle_value, numpy_view
+from .plan import Plan
+from .wire import Header, MsgType
+from .worker import Client, RemoteError
+
+log = logging.getLogger("mxps")
+
+
+class KeyError_(KeyError):
+    """Unknown key or key not initialised (a KeyError whose message is readable)."""
+
+    def __str__(self):
+        return self.args[0] if self.args else ""
+
+
+class _Key:
+    __slots__ = ("name", "id", "shape", "dtype", "code", "size", "slices", "pushes", "seq",
+                 "reduce_buf")
+
+    def __init__(self, name, id_, shape, dtype, slices):
+        self.name = name
+        self.id = id_
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.code = wire.dtype_code(self.dtype)
+        self.size = int(np.prod(self.shape)) if self.shape else 1
+        self.slices = slices
+        self.pushes = 0
+        self.seq = mx.nd.zeros((1,), ctx=mx.cpu(0))
+        self.reduce_buf = None
+
+
+# ---------------------------------------------------------------------------------------------
+# one connection to the job per process (like ps-lite's Postoffice), created on first use
+_runtime = {}
+_runtime_lock = threading.Lock()
+
+
+def _client(cfg):
+    with _runtime_lock:
+        c = _runtime.get("client")
+        if c is None:
+            logging.basicConfig(level=cfg.log_level,
+                                format="%(asctime)s mxps %(levelname)s %(message)s")
+            c = _runtime["client"] = Client(cfg)
+            _install_exit_hooks(c)
+        return c
+
+
+def _install_exit_hooks(client):
+    failure = []
+    previous = sys.excepthook
+
+    def excepthook(etype, value, tb):
+        failure.append("".join(traceback.format_exception_only(etype, value)).strip())
+        previous(etype, value, tb)
+
+    def at_exit():
+        if failure:
+            client.report_failure("worker %d raised %s" % (client.rank, failure[-1]))
+            return
+        try:
+            mx.nd.waitall()
+        finally:
+            client.finish()
+
+    sys.excepthook = excepthook
+    atexit.register(at_exit)
+
+
+# ---------------------------------------------------------------------------------------------
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _group(key, value):
+    """Pair keys with per-key value lists, as MXNet's kvstore accepts them."""
+    if isinstance(key, (list, tuple)):
+        values = _as_list(value)
+        if len(values) != len(key):
+            raise ValueError("mxps: %d keys but %d values" % (len(key), len(values)))
+        return [(k, _as_list(v)) for k, v in zip(key, values)]
+    return [(key, _as_list(value))]
+
+
+class _Countdown:
+    """Completes an engine operation when the last of n slice replies arrived."""
+
+    __slots__ = ("n", "done", "what", "lock")
+
+    def __init__(self, n, done, what):
+        self.n = n
+        self.done = done
+        self.what = what
+        self.lock = threading.Lock()
+
+    def __call__(self, header, payload):
+        if header.type == MsgType.ERROR:
+            control.fatal("worker", "%s failed: %s" % (self.what, payload.bytes.decode()), code=1)
+        with self.lock:
+            self.n -= 1
+            last = self.n == 0
+        if last:
+            self.done()
+
+
+@KVStoreBase.register
+class MXPS(KVStoreBase):
+    """The mxps parameter server as an MXNet kvstore (``kvstore='mxps'``, sync by default)."""
+
+    _mode = None   # None: MXPS_MODE decides; subclasses pin it
+
+    def __init__(self):
+        self._cfg = config.from_env(mode=self._mode)
+        if self._cfg.role != "worker":
+            raise RuntimeError("mxps kvstore created in a %s process" % self._cfg.role)
+        self._client = _client(self._cfg)
+        self._plan = Plan(self._client.num_servers, bigarray_bound=self._cfg.bigarray_bound)
+        self._keys = {}
+        self._str_ids = {}
+        self._ids = {}
+        self._optimizer = None
+        self._updater = None
+        self._lock = threading.Lock()
+
+    # -- properties MXNet reads --------------------------------------------------------------
+    @property
+    def type(self):
+        return "dist_sync" if self._cfg.sync else "dist_async"
+
+    @property
+    def rank(self):
+        return self._client.rank
+
+    @property
+    def num_workers(self):
+        return self._client.num_workers
+
+    @staticmethod
+    def is_capable(capability):
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return True
+        raise ValueError("Unknown capability: {}".format(capability))
+
+    # -- keys --------------------------------------------------------------------------------
+    def _key_id(self, name):
+        if isinstance(name, (int, np.integer)):
+            if not 0 <= int(name) < 2 ** 31:
+                raise ValueError("mxps: key %r out of range [0, 2**31)" % (name,))
+            id_ = int(name)
+        elif isinstance(name, str):
+            # string keys get ids in first-seen order, as MXNet does (every worker inits the
+            # same keys in the same order); Module uses parameter names as keys
+            id_ = self._str_ids.setdefault(name, len(self._str_ids))
+        else:
+            raise TypeError("mxps: a key is an int or a str, got %r" % (name,))
+        owner = self._ids.setdefault(id_, name)
+        if owner != name:
+            raise ValueError("mxps: key %r and key %r map to the same id %d: do not mix int and "
+                             "str keys" % (name, owner, id_))
+        return id_
+
+    def _meta(self, name, what):
+        k = self._keys.get(name)
+        if k is None:
+            raise KeyError_("mxps: %s of key %r before it was initialised: call init (or "
+                            "broadcast / the Trainer's first step) on the key first"
+                            % (what, name))
+        return k
+
+    @staticmethod
+    def _check(k, arrays, what):
+        for a in arrays:
+            if not isinstance(a, mx.nd.NDArray):
+                raise TypeError("mxps: %s of key %r: expected NDArray, got %s"
+                                % (what, k.name, type(a).__name__))
+            if a.stype != "default":
+                raise TypeError("mxps: %s of key %r: sparse storage (%s) is not supported"
+                                % (what, k.name, a.stype))
+            if tuple(a.shape) != k.shape:
+                raise ValueError("mxps: %s of key %r: shape %s differs from the shape %s it was "
+                                 "initialised with" % (what, k.name, tuple(a.shape), k.shape))
+            if np.dtype(a.dtype) != k.dtype:
+                raise ValueError("mxps: %s of key %r: dtype %s differs from the dtype %s it was "
+                                 "initialised with" % (what, k.name, np.dtype(a.dtype), k.dtype))
+
+    # -- init / broadcast --------------------------------------------------------------------
+    def init(self, key, value):
+        """Initialise keys from rank 0's values (every worker calls it; a barrier follows)."""
+        for name, vals in _group(key, value):
+            v = vals[0]
+            if not isinstance(v, mx.nd.NDArray):
+                raise TypeError("mxps: init of key %r: expected NDArray, got %s"
+                                % (name, type(v).__name__))
+            old = self._keys.get(name)
+            id_ = old.id if old is not None else self._key_id(name)
+            size = int(np.prod(v.shape)) if v.shape else 1
+            k = _Key(name, id_, v.shape, v.dtype, self._plan.slices(id_, size))
+            self._keys[name] = k
+            if self.rank == 0:
+                flat = v.asnumpy().reshape(-1)
+                for s in k.slices:
+                    self._client.call(s.server, Header(
+                        MsgType.INIT, key=k.id, plan_version=self._plan.version,
+                        offset=s.offset, length=s.length, dtype=k.code),
+                        flat[s.offset:s.stop], what="init of key %r" % (name,))
+        self._client.barrier()
+
+    def broadcast(self, key, value, out, priority=0):
+        """Initialise from rank 0 and pull the value into ``out`` on every worker."""
+        self.init(key, value)
+        self.pull(key, out=out, priority=priority)
+
+    # -- the data path -----------------------------------------------------------------------
+    def _reduce(self, k, vals):
+        """Sum a key's per-device arrays (an engine op); one device: the array itself."""
+        if len(vals) == 1:
+            return vals[0]
+        if k.reduce_buf is None:
+            k.reduce_buf = mx.nd.zeros(k.shape, ctx=mx.cpu(0), dtype=k.dtype)
+        srcs = [v if v.context == k.reduce_buf.context else v.as_in_context(mx.cpu(0))
+                for v in vals]
+        mx.nd.add_n(*srcs, out=k.reduce_buf)
+        return k.reduce_buf
+
+    def _launch(self, k, msg, src, dst, priority):
+        """One engine op for key k: send ``src`` slices (PUSH/PUSHPULL), fill ``dst`` (PULL)."""
+        client = self._client
+        it = k.pushes
+        what = "%s of key %r" % (MsgType(msg).name.lower(), k.name)
+        plan_version = self._plan.version
+
+        def run(completion):
+            sview = numpy_view(src) if src is not None else None
+            dview = numpy_view(dst) if dst is not None else None
+            if dview is not None:
+                def on_reply(h, payload, dview=dview):
+                    if h.type == MsgType.DATA:
+                        np.copyto(dview[h.offset:h.offset + h.length],
+                                  wire.payload_array(h, payload))
+            done = _Countdown(len(k.slices), completion, what)
+            for s in k.slices:
+                h = Header(msg, key=k.id, iteration=it, plan_version=plan_version,
+                           offset=s.offset, length=s.length,
+                           dtype=k.code if sview is not None else wire.NO_DTYPE)
+                if dview is not None:
+                    def cb(h, p, s=s):
+                        on_reply(h, p)
+                        done(h, p)
+                else:
+                    cb = done
+                client.submit(s.server, h, sview[s.offset:s.stop] if sview is not None
+                              else None, cb)
+
+        consts = [] if src is None or src is dst else [handle_value(src)]
+        muts = [handle_value(k.seq)] + ([handle_value(dst)] if dst is not None else [])
+        engine.push_async(run, consts, muts, priority, b"mxps_" + MsgType(msg).name.encode())
+
+    def push(self, key, value, priority=0):
+        for name, vals in _group(key, value):
+            k = self._meta(name, "push")
+            self._check(k, vals, "push")
+            grad = self._reduce(k, vals)
+            k.pushes += 1
+            self._launch(k, MsgType.PUSH, grad, None, priority)
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        if out is None:
+            raise ValueError("mxps: pull needs `out`")
+        for name, outs in _group(key, out):
+            k = self._meta(name, "pull")
+            self._check(k, outs, "pull")
+            self._launch(k, MsgType.PULL, None, outs[0], priority)
+            for o in outs[1:]:
+                outs[0].copyto(o)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        groups = _group(key, value)
+        outs_groups = [vals for _, vals in groups] if out is None else \
+            [o for _, o in _group(key, out)]
+        for (name, vals), outs in zip(groups, outs_groups):
+            k = self._meta(name, "pushpull")
+            self._check(k, vals, "push")
+            self._check(k, outs, "pull")
+            grad = self._reduce(k, vals)
+            k.pushes += 1
+            self._launch(k, MsgType.PUSHPULL, grad, outs[0], priority)
+            for o in outs[1:]:
+                outs[0].copyto(o)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        raise NotImplementedError("mxps: row_sparse_pull (sparse weights) is not supported")
+
+    def set_gradient_compression(self, compression_params):
+        raise NotImplementedError("mxps: gradient compression is not supported")
+
+    # -- optimizer on the servers ------------------------------------------------------------
+    def set_optimizer(self, optimizer):
+        """Run ``optimizer`` on the servers (rank 0 sends it; every worker waits for it)."""
+        self._optimizer = optimizer
+        self._updater = mx.optimizer.get_updater(optimizer)
+        if self.rank == 0:
+            body = pickle.dumps(self._server_copy(optimizer))
+            for s in range(self._client.num_servers):
+                self._client.call(s, Header(MsgType.SET_OPTIMIZER), body, what="set_optimizer")
+        self._client.barrier()
+
+    @staticmethod
+    def _server_copy(optimizer):
+        # MXNet pickles the optimizer without param_dict (Optimizer.__getstate__), so the
+        # native servers lose every Parameter's lr_mult/wd_mult; mxps carries them over as
+        # the optimizer's index-keyed multipliers, which _get_lrs/_get_wds consult next.
+        o = copy.copy(optimizer)
+        o.lr_mult = dict(optimizer.lr_mult)
+        o.wd_mult = dict(optimizer.wd_mult)
+        for idx, p in (optimizer.param_dict or {}).items():
+            o.lr_mult[idx] = p.lr_mult
+            o.wd_mult[idx] = p.wd_mult
+        return o
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Gather the optimizer states from the servers into MXNet's Updater file format."""
+        if self._optimizer is None:
+            raise RuntimeError("mxps: no optimizer on the servers (call set_optimizer, or "
+                               "use update_on_kvstore=True)")
+        mx.nd.waitall()
+        parts = {}
+        optimizer = None
+        counts = {}
+        for s in range(self._client.num_servers):
+            _, payload = self._client.call(s, Header(MsgType.GET_STATES), what="save states")
+            blob = pickle.loads(payload.bytes)
+            if optimizer is None:
+                optimizer = blob["optimizer"]
+            for key, (off, length, state) in blob["states"].items():
+                parts.setdefault(key, []).append((off, state))
+            for key in blob["keys"]:
+                c = blob["optimizer"]._index_update_count.get(key)
+                if c is not None:
+                    counts[key] = c
+        by_id = {k.id: k for k in self._keys.values()}
+        states = {}
+        for key, pieces in parts.items():
+            pieces.sort(key=lambda p: p[0])
+            states[key] = _join_states([p[1] for p in pieces], by_id[key].shape)
+        if optimizer is not None:
+            optimizer._index_update_count = dict(counts)
+            optimizer.num_update = max(counts.values(), default=optimizer.num_update)
+        data = pickle.dumps((states, optimizer) if dump_optimizer else states)
+        with open(fname, "wb") as f:
+            f.write(data)
+
+    def load_optimizer_states(self, fname):
+        """Load states saved by ``save_optimizer_states`` into the servers."""
+        if self._optimizer is None:
+            raise RuntimeError("mxps: no optimizer on the servers to load states into")
+        with open(fname, "rb") as f:
+            data = f.read()
+        updater = mx.optimizer.get_updater(self._optimizer)
+        updater.set_states(data)
+        self._updater = updater
+        self._optimizer = updater.optimizer
+        if self.rank == 0:
+            by_id = {k.id: k for k in self._keys.values()}
+            per_server = [dict() for _ in range(self._client.num_servers)]
+            for key, state in updater.states.items():
+                k = by_id.get(key)
+                if k is None:
+                    raise KeyError_("mxps: optimizer states for key id %r, which this kvstore "
+                                    "does not hold" % (key,))
+                for s in k.slices:
+                    per_server[s.server][key] = _slice_state(state, s.offset, s.stop)
+            opt = self._server_copy(updater.optimizer)
+            for s, states in enumerate(per_server):
+                body = pickle.dumps({"states": states, "optimizer": opt})
+                self._client.call(s, Header(MsgType.SET_STATES), body, what="load states")
+        self._client.barrier()
+
+    # -- misc --------------------------------------------------------------------------------
+    def barrier(self):
+        """Wait until every worker reaches this barrier."""
+        mx.nd.waitall()
+        self._client.barrier()
+
+    _barrier = barrier
+
+    def _send_command_to_servers(self, head, body):
+        raise NotImplementedError("mxps: server commands are not supported")
+
+
+def _join_states(pieces, shape):
+    first = pieces[0]
+    if first is None:
+        return None
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join_states([p[i] for p in pieces], shape)
+                           for i in range(len(first)))
+    return mx.nd.array(np.concatenate([np.asarray(p).reshape(-1) for p in pieces])
+                       .reshape(shape), dtype=first.dtype)
+
+
+def _slice_state(state, lo, hi):
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return type(state)(_slice_state(s, lo, hi) for s in state)
+    return state.asnumpy().reshape(-1)[lo:hi].copy()
+
+
+@KVStoreBase.register
+class MXPS_Async(MXPS):
+    """``kvstore='mxps_async'``: asynchronous SGD (every push applied on arrival)."""
+
+    _mode = "async"
+
+
+@KVStoreBase.register
+class MXPS_Sync(MXPS):
+    """``kvstore='mxps_sync'``: synchronous, whatever MXPS_MODE says."""
+
+    _mode = "sync"

@@ -1,0 +1,33 @@
+"""Zero-copy numpy views of MXNet NDArray memory (CPU, dense).
+
+A view bypasses MXNet's engine: read it only when every write to the array has completed, and
+write it only when nothing reads or writes it (inside an engine operation that holds the array,
+or after ``wait_to_read``/``wait_to_write``).
+"""
+import ctypes
+
+import numpy as np
+from mxnet.base import _LIB, check_call
+
+
+def data_pointer(nd):
+    ptr = ctypes.c_void_p()
+    check_call(_LIB.MXNDArrayGetData(nd.handle, ctypes.byref(ptr)))
+    return ptr.value
+
+
+def numpy_view(nd):
+    """A flat numpy array sharing memory with the CPU NDArray ``nd``."""
+    if nd.stype != "default":
+        raise TypeError("mxps handles dense arrays only, got storage type %r" % nd.stype)
+    dt = np.dtype(nd.dtype)
+    n = int(np.prod(nd.shape)) if nd.shape else 1
+    if n == 0:
+        return np.empty(0, dtype=dt)
+    ptr = data_pointer(nd)
+    buf = (ctypes.c_char * (n * dt.itemsize)).from_address(ptr)
+    return np.frombuffer(buf, dtype=dt)
+
+
+def handle_value(nd):
+    return nd.handle.value

@@ -1,0 +1,103 @@
+"""Placement: which server holds which element range of which key.
+
+A ``Plan`` maps every key to a tuple of ``Slice``s (server, offset, length) that cover the key's
+flat array exactly once, in order, with at most one slice per server per key.  It carries a
+version; every data message names the plan version it was built with.  Plans are pure data: the
+transport routes by them and never decides placement (ps-lite's ``set_slicer`` seam).
+
+``mxnet_default_rule`` is MXNet 1.9.1's own placement (src/kvstore/kvstore_dist.h, EncodeKey):
+an array with fewer than ``MXNET_KVSTORE_BIGARRAY_BOUND`` elements goes whole to server
+``(key * 9973) % num_servers``; a larger one is cut into ``num_servers`` parts, part i covering
+``[round(size/S*i), round(size/S*(i+1)))`` (C ``round``: halves away from zero) on server i.
+"""
+import dataclasses
+import math
+
+
+class PlanError(ValueError):
+    """A plan that does not place every element of a key exactly once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    server: int
+    offset: int
+    length: int
+
+    @property
+    def stop(self):
+        return self.offset + self.length
+
+
+def _c_round(x):
+    # C's round(): halfway cases away from zero (Python's round() rounds half to even)
+    return int(math.floor(x + 0.5)) if x >= 0 else -int(math.floor(-x + 0.5))
+
+
+def mxnet_default_rule(key, size, num_servers, bigarray_bound):
+    """MXNet's placement of one key (see the module docstring)."""
+    if size < bigarray_bound:
+        return (Slice((key * 9973) % num_servers, 0, size),)
+    parts = []
+    for i in range(num_servers):
+        lo = _c_round(size / num_servers * i)
+        hi = _c_round(size / num_servers * (i + 1))
+        parts.append(Slice(i, lo, hi - lo))
+    return tuple(p for p in parts if p.length > 0)
+
+
+def check_slices(key, size, slices, num_servers):
+    """Raise PlanError unless ``slices`` cover [0, size) exactly once, in order."""
+    pos = 0
+    seen = set()
+    for s in slices:
+        if not 0 <= s.server < num_servers:
+            raise PlanError("key %r: slice on server %d, only %d servers" % (key, s.server,
+                                                                             num_servers))
+        if s.server in seen:
+            raise PlanError("key %r: two slices on server %d" % (key, s.server))
+        seen.add(s.server)
+        if s.offset != pos or s.length <= 0:
+            raise PlanError("key %r: slice %s does not continue at element %d" % (key, s, pos))
+        pos = s.stop
+    if pos != size and not (size == 0 and not slices):
+        raise PlanError("key %r: slices cover %d of %d elements" % (key, pos, size))
+
+
+class Plan:
+    """A versioned placement table; keys not in the table are placed by ``rule`` on first use."""
+
+    def __init__(self, num_servers, version=0, table=None, bigarray_bound=1000 * 1000,
+                 rule=mxnet_default_rule):
+        if num_servers < 1:
+            raise PlanError("a plan needs at least one server, got %d" % num_servers)
+        self.num_servers = num_servers
+        self.version = version
+        self.bigarray_bound = bigarray_bound
+        self._rule = rule
+        self._table = dict(table or {})
+        self._sizes = {}
+
+    def slices(self, key, size):
+        """The slices of ``key`` (an int id) whose flat array has ``size`` elements."""
+        s = self._table.get(key)
+        if s is None:
+            s = self._rule(key, size, self.num_servers, self.bigarray_bound)
+            check_slices(key, size, s, self.num_servers)
+            self._table[key] = s
+            self._sizes[key] = size
+        elif self._sizes.setdefault(key, sum(x.length for x in s)) != size:
+            raise PlanError("key %r has %d elements, the plan places %d"
+                            % (key, size, self._sizes[key]))
+        return s
+
+    def keys(self):
+        return self._table.keys()
+
+    def elements_per_server(self):
+        """Total elements each server holds under this plan (for bytes-per-server reports)."""
+        out = [0] * self.num_servers
+        for slices in self._table.values():
+            for s in slices:
+                out[s.server] += s.length
+        return out

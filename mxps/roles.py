@@ -1,0 +1,49 @@
+"""What ``import mxps`` does in a scheduler or server process: run mxps's role, then exit.
+
+MXNet's launcher starts the *same* command for every role and tells them apart by DMLC_ROLE.
+``import mxnet`` in a process whose DMLC_ROLE is server or scheduler starts MXNet's native
+ps-lite node and never returns (mxnet/kvstore/kvstore_server.py).  So mxps takes over first:
+``import mxps`` (before ``import mxnet``) runs mxps's scheduler or server in that process and
+exits with its status.  The server needs MXNet for the optimizer; it imports it with DMLC_ROLE
+reading "worker" so that MXNet does not start its own server.
+"""
+import logging
+import os
+import sys
+
+from . import config
+
+
+def _import_mxnet_quietly():
+    if "mxnet" in sys.modules:
+        return sys.modules["mxnet"]
+    saved = os.environ.get("DMLC_ROLE")
+    os.environ["DMLC_ROLE"] = "worker"
+    try:
+        import mxnet
+    finally:
+        if saved is None:
+            os.environ.pop("DMLC_ROLE", None)
+        else:
+            os.environ["DMLC_ROLE"] = saved
+    return mxnet
+
+
+def take_over(env=None):
+    """Run this process's mxps role if it is a server or scheduler; returns for workers."""
+    role = config.role_from_env(env)
+    if role == "worker":
+        return
+    cfg = config.from_env(env)
+    logging.basicConfig(level=cfg.log_level,
+                        format="%(asctime)s mxps " + role + " %(levelname)s %(message)s")
+    if role == "scheduler":
+        from . import scheduler
+        code = scheduler.run(cfg)
+    else:
+        _import_mxnet_quietly()
+        from . import server
+        code = server.run(cfg)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)

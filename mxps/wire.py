@@ -1,0 +1,160 @@
+"""The mxps message format.
+
+Every message is a ZeroMQ multipart message: one fixed 56-byte header frame, optionally followed
+by one payload frame (raw array bytes, sent zero-copy from numpy/NDArray memory, or a pickled /
+JSON control body).  The header:
+
+    offset size field
+    0      4    magic  b"MXPS"
+    4      1    version (WIRE_VERSION)
+    5      1    type   (MsgType)
+    6      1    dtype  (DTYPE codes below; 255 = no array payload)
+    7      1    flags  (Flag bits)
+    8      4    key    (int32, the kvstore key id)
+    12     4    sender (int32, rank of the sending node in its role; -1 = unknown)
+    16     8    iteration (int64: per-key push count of the sending worker, 1-based)
+    24     4    plan version (uint32)
+    28     4    status (int32, 0 = ok; error replies carry the error text as payload)
+    32     8    offset (uint64, first element of the slice within the key's flat array)
+    40     8    length (uint64, number of elements in the slice)
+    48     8    request id (uint64, echoed in the reply)
+
+Little-endian throughout.  ``pack``/``unpack`` are the only places that know this layout.
+"""
+import enum
+import struct
+
+import numpy as np
+
+MAGIC = b"MXPS"
+WIRE_VERSION = 1
+_HEADER = struct.Struct("<4sBBBBiiqIiQQQ")
+HEADER_SIZE = _HEADER.size
+NO_DTYPE = 255
+
+# dtype codes follow MXNet's own type flags (mshadow::TypeFlag)
+_DTYPES = {0: np.dtype("float32"), 1: np.dtype("float64"), 2: np.dtype("float16"),
+           3: np.dtype("uint8"), 4: np.dtype("int32"), 5: np.dtype("int8"),
+           6: np.dtype("int64")}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A message that is not a valid mxps message (bad magic, version, size or type)."""
+
+
+class MsgType(enum.IntEnum):
+    # control plane (node <-> scheduler)
+    REGISTER = 1        # node -> scheduler: JSON {role, host, port, pid}
+    WELCOME = 2         # scheduler -> node: JSON {rank, servers, num_workers, ...}
+    BARRIER = 3         # worker -> scheduler; reply when every worker arrived
+    HEARTBEAT = 4       # node -> scheduler (and the scheduler's echo)
+    FINISH = 5          # worker -> scheduler: done, ready to shut down
+    SHUTDOWN = 6        # scheduler -> node: exit cleanly
+    ABORT = 7           # scheduler -> node, or node -> scheduler: exit with the error payload
+    # data plane (worker <-> server)
+    INIT = 10           # rank 0 -> server: initial value of a slice
+    PUSH = 11           # worker -> server: gradient slice (ack after it is accounted)
+    PULL = 12           # worker -> server: value of a slice after `iteration` rounds
+    PUSHPULL = 13       # PUSH, then reply with the value after that round (one round trip)
+    SET_OPTIMIZER = 14  # rank 0 -> server: pickled optimizer (MXNet sends pickles too)
+    GET_STATES = 15     # worker -> server: pickled optimizer states of its slices
+    SET_STATES = 16     # worker -> server: restore optimizer states
+    COMMAND = 17        # worker -> server: (cmd id, body), MXNet's _send_command_to_servers
+    ACK = 20            # reply without payload
+    DATA = 21           # reply with a slice
+    ERROR = 22          # reply: request failed, payload = message (utf-8)
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+
+
+def dtype_code(dtype):
+    """The wire code of a numpy dtype; raises WireError for dtypes mxps does not carry."""
+    try:
+        return _CODES[np.dtype(dtype)]
+    except KeyError:
+        raise WireError("dtype %s cannot be sent by mxps (supported: %s)"
+                        % (np.dtype(dtype), ", ".join(str(d) for d in _CODES))) from None
+
+
+def dtype_of(code):
+    """The numpy dtype of a wire code."""
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        raise WireError("unknown dtype code %d" % code) from None
+
+
+class Header:
+    """A decoded header; plain attributes, cheap to build."""
+
+    __slots__ = ("type", "dtype", "flags", "key", "sender", "iteration", "plan_version",
+                 "status", "offset", "length", "request_id")
+
+    def __init__(self, type, key=0, sender=-1, iteration=0, plan_version=0, offset=0,
+                 length=0, request_id=0, dtype=NO_DTYPE, flags=0, status=0):
+        self.type = type
+        self.dtype = dtype
+        self.flags = flags
+        self.key = key
+        self.sender = sender
+        self.iteration = iteration
+        self.plan_version = plan_version
+        self.status = status
+        self.offset = offset
+        self.length = length
+        self.request_id = request_id
+
+    def pack(self):
+        return _HEADER.pack(MAGIC, WIRE_VERSION, int(self.type), self.dtype, int(self.flags),
+                            self.key, self.sender, self.iteration, self.plan_version,
+                            self.status, self.offset, self.length, self.request_id)
+
+    def reply(self, type, **changes):
+        """A header answering this one (same key, slice, iteration and request id)."""
+        h = Header(type, self.key, self.sender, self.iteration, self.plan_version, self.offset,
+                   self.length, self.request_id, self.dtype, self.flags, self.status)
+        for k, v in changes.items():
+            setattr(h, k, v)
+        return h
+
+    def __eq__(self, other):
+        return isinstance(other, Header) and all(
+            getattr(self, s) == getattr(other, s) for s in self.__slots__)
+
+    def __repr__(self):
+        name = MsgType(self.type).name if self.type in MsgType._value2member_map_ else self.type
+        return ("Header(%s key=%d sender=%d iter=%d plan=%d off=%d len=%d req=%d)"
+                % (name, self.key, self.sender, self.iteration, self.plan_version, self.offset,
+                   self.length, self.request_id))
+
+
+def unpack(buf):
+    """Decode a header frame; raises WireError naming what is wrong."""
+    b = memoryview(buf)
+    if b.nbytes != HEADER_SIZE:
+        raise WireError("header frame has %d bytes, expected %d" % (b.nbytes, HEADER_SIZE))
+    (magic, version, type_, dtype, flags, key, sender, iteration, plan_version, status,
+     offset, length, request_id) = _HEADER.unpack(b)
+    if magic != MAGIC:
+        raise WireError("bad magic %r: not an mxps peer (is a native MXNet node listening on "
+                        "this port?)" % (magic,))
+    if version != WIRE_VERSION:
+        raise WireError("wire version %d, this mxps speaks %d: mixed mxps versions in one job"
+                        % (version, WIRE_VERSION))
+    if type_ not in MsgType._value2member_map_:
+        raise WireError("unknown message type %d" % type_)
+    return Header(type_, key, sender, iteration, plan_version, offset, length, request_id,
+                  dtype, flags, status)
+
+
+def payload_array(header, frame):
+    """View a DATA/PUSH payload frame as a flat numpy array (no copy); checks its size."""
+    dt = dtype_of(header.dtype)
+    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    if buf.nbytes != header.length * dt.itemsize:
+        raise WireError("key %d: payload has %d bytes, header says %d x %s"
+                        % (header.key, buf.nbytes, header.length, dt))
+    return np.frombuffer(buf, dtype=dt)

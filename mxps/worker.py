@@ -1,0 +1,179 @@
+"""A worker's connection to the job: the scheduler link, one DEALER per server, one I/O thread.
+
+Any thread (the training thread, MXNet engine threads) submits requests with ``submit``; the
+I/O thread owns every socket, sends them, matches replies by request id and runs the request's
+callback.  ``call`` is the blocking form for control requests, with a deadline.  Heartbeats, an
+ABORT from the scheduler or a silent scheduler end the process with a message naming the lost
+node (MXNet engine threads may be waiting on transfers that will never finish: there is nothing
+to unwind to).
+"""
+import collections
+import itertools
+import logging
+import os
+import threading
+import time
+
+import zmq
+
+from . import control, transport, wire
+from .control import SchedulerLink
+from .wire import Header, MsgType
+
+log = logging.getLogger("mxps.worker")
+
+
+class RemoteError(RuntimeError):
+    """A server refused a request; the message is the server's, naming the key and cause."""
+
+
+class _Call:
+    __slots__ = ("event", "header", "payload")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.header = None
+        self.payload = None
+
+    def __call__(self, header, payload):
+        self.header = header
+        self.payload = payload
+        self.event.set()
+
+
+class Client:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.link = SchedulerLink(cfg, "worker")
+        host = cfg.node_host or transport.local_address_towards(cfg.root_uri, cfg.root_port)
+        try:
+            welcome = self.link.register(host)
+        except control.PeerLostError as e:
+            self.link.close()
+            raise
+        self.rank = welcome["rank"]
+        self.num_workers = welcome["num_workers"]
+        self.num_servers = welcome["num_servers"]
+        self.servers = [transport.connect_dealer(h, p) for h, p in welcome["servers"]]
+        self.server_addrs = ["%s:%d" % (h, p) for h, p in welcome["servers"]]
+        self._ids = itertools.count(1)
+        self._pending = {}
+        self._queue = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._barrier_seq = 0
+        self._stopped = threading.Event()
+        self._finished = False
+        self.bytes_sent = [0] * self.num_servers
+        self.bytes_received = [0] * self.num_servers
+        self._thread = threading.Thread(target=self._io_loop, name="mxps-io", daemon=True)
+        self._thread.start()
+
+    # -- submitting --------------------------------------------------------------------------
+    def submit(self, server, header, payload, on_reply):
+        """Queue a request to ``server``; ``on_reply(header, payload)`` runs on the I/O thread."""
+        header.request_id = next(self._ids)
+        header.sender = self.rank
+        self._queue.append((server, header, payload, on_reply))
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass   # the pipe is full of wake-ups already
+
+    def call(self, server, header, payload=None, what="request"):
+        """Send and wait for the reply (deadline MXPS_TIMEOUT); raises RemoteError on ERROR."""
+        c = _Call()
+        self.submit(server, header, payload, c)
+        if not c.event.wait(self.cfg.timeout):
+            raise TimeoutError("mxps worker %d: %s to server %d (%s) got no reply within %.0f s "
+                               "(MXPS_TIMEOUT)" % (self.rank, what, server,
+                                                   self.server_addrs[server], self.cfg.timeout))
+        if c.header.type == MsgType.ERROR:
+            raise RemoteError(c.payload.bytes.decode())
+        return c.header, c.payload
+
+    def barrier(self):
+        """Wait until every worker reached the same barrier."""
+        self._barrier_seq += 1
+        seq = self._barrier_seq
+        self._queue.append((None, Header(MsgType.BARRIER, sender=self.rank), None, None))
+        os.write(self._wake_w, b"x")
+        # no deadline of our own: a dead peer is reported by the scheduler's heartbeat check
+        while self.link.barrier_done < seq:
+            time.sleep(0.0005 if self.num_workers == 1 else 0.001)
+
+    def finish(self):
+        """Tell the scheduler this worker is done and wait for the job's shutdown."""
+        if self._finished:
+            return
+        self._finished = True
+        self._queue.append((None, Header(MsgType.FINISH, sender=self.rank), None, None))
+        os.write(self._wake_w, b"x")
+        deadline = time.monotonic() + self.cfg.timeout
+        while not self.link.shutdown and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stopped.set()
+        self._thread.join(5)
+
+    def report_failure(self, message):
+        """Tell the scheduler this worker failed, so the job ends now instead of timing out."""
+        if self._finished:
+            return
+        self._finished = True
+        self._queue.append((None, Header(MsgType.ABORT, sender=self.rank), message.encode(),
+                            None))
+        os.write(self._wake_w, b"x")
+        time.sleep(0.3)
+        self._stopped.set()
+
+    # -- the I/O thread ----------------------------------------------------------------------
+    def _io_loop(self):
+        try:
+            self._io_loop_inner()
+        except Exception as e:   # a bug in mxps: fail the job loudly rather than hang it
+            log.exception("mxps I/O thread failed")
+            control.fatal("worker %d" % self.rank, "I/O thread failed: %r" % (e,), code=1)
+
+    def _io_loop_inner(self):
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.link.sock, zmq.POLLIN)
+        index = {}
+        for i, s in enumerate(self.servers):
+            poller.register(s, zmq.POLLIN)
+            index[s] = i
+        wait_ms = int(self.cfg.heartbeat_interval * 1000 / 2)
+        while not self._stopped.is_set():
+            events = control.poll_forever(poller, wait_ms)
+            if self._wake_r in events:
+                os.read(self._wake_r, 65536)
+            while self._queue:
+                server, h, payload, on_reply = self._queue.popleft()
+                if server is None:
+                    self.link.send(h.type, payload)
+                    continue
+                if on_reply is not None:
+                    self._pending[h.request_id] = on_reply
+                transport.send(self.servers[server], h, payload)
+                if payload is not None:
+                    self.bytes_sent[server] += memoryview(payload).nbytes
+            for sock, i in index.items():
+                if sock in events:
+                    while sock.poll(0):
+                        _, h, payload = transport.recv(sock)
+                        if payload is not None:
+                            self.bytes_received[i] += len(payload)
+                        cb = self._pending.pop(h.request_id, None)
+                        if cb is None:
+                            log.warning("reply to an unknown request: %r", h)
+                            continue
+                        cb(h, payload)
+            if self.link.sock in events:
+                while self.link.sock.poll(0):
+                    _, h, p = transport.recv(self.link.sock)
+                    self.link.handle(h, p)
+            if not self._finished or not self.link.shutdown:
+                self.link.tick(time.monotonic())
+        for s in self.servers:
+            s.close(linger=500)
+        self.link.close()
