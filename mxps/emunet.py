@@ -1,0 +1,711 @@
+"""Emulated heterogeneous network on one machine, built from real kernel networking.
+
+Each node gets its own network namespace with one interface ``eth0`` (a veth) whose peer sits in
+a bridge namespace of its own, so nothing is ever created in, or routed through, the root
+namespace. Links are shaped with ``tc tbf`` on both veth ends: the node end's egress is the
+node's *upload*, the bridge end's egress is its *download*.
+
+Layers, bottom up:
+
+- ``_Cmd``: runs ``ip``/``tc`` and turns a failure into an ``EmunetError`` naming the command.
+- ``cleanup_stale`` and the state directory: namespaces are named
+  ``<prefix><pid>-<runid>-...`` and a small JSON file under ``/run/mxps-emunet/`` records the
+  creating process (pid and start time), so leftovers of a crashed run can be told apart from a
+  live run and removed.
+- ``Topology``: builds the namespaces, bridge, veths, addresses and shaping; runs processes in
+  the nodes; changes rates live; closes everything on exit, error, Ctrl-C, SIGTERM and atexit.
+- ``RateSchedule``: a background thread applying a list of timed rate changes.
+
+Example::
+
+    from mxps import emunet
+    emunet.cleanup_stale()
+    with emunet.Topology(['sched', 's0', 'w0'], rates={'s0': 100.0}) as topo:
+        p = topo.popen('s0', ['python', 'server.py'])
+        topo.set_rate('s0', 50.0)
+
+Needs root and the ``ip`` and ``tc`` tools (iproute2); ``check_prerequisites`` says which is
+missing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    'EmunetError',
+    'check_prerequisites',
+    'cleanup_stale',
+    'Topology',
+    'RateSchedule',
+    'DEFAULT_PREFIX',
+    'DEFAULT_SUBNET',
+    'ALLOWED_NETWORK',
+    'STATE_DIR',
+]
+
+DEFAULT_PREFIX = 'mxps-'
+DEFAULT_SUBNET = '198.18.0.0/24'
+#: Benchmarking range (RFC 2544); every address this module assigns lies inside it.
+ALLOWED_NETWORK = ipaddress.ip_network('198.18.0.0/15')
+#: Where each live run records its creating process, so stale runs can be recognised.
+STATE_DIR = '/run/mxps-emunet'
+
+#: Interface name of a node's link, inside its namespace.
+NODE_IFACE = 'eth0'
+BRIDGE_IFACE = 'br0'
+#: tbf bucket size. At or below 64 KiB the veth hands ~64 KiB TCP GSO segments to the shaper,
+#: which then has to split them (about 14x the CPU); 128 KiB keeps the rate exact and cheap.
+MIN_BURST_BYTES = 128 * 1024
+#: Queue allowed behind the bucket, as time at the configured rate (with a floor in bytes so low
+#: rates still hold a few GSO segments).
+QUEUE_SECONDS = 0.05
+MIN_QUEUE_BYTES = 256 * 1024
+
+_NODE_NAME_RE = re.compile(r'^[A-Za-z0-9_]{1,40}$')
+_RUN_ID_BYTES = 2
+
+Rate = Optional[float]
+RateSpec = Union[None, float, int, Tuple[Rate, Rate]]
+
+
+class EmunetError(RuntimeError):
+    """A problem building, changing or tearing down the emulated network."""
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _run(argv: Sequence[str], timeout: float = 30.0) -> str:
+    """Run ``argv`` and return its stdout.
+
+    Raises:
+        EmunetError: the command is missing, failed, or timed out; the message quotes the
+            command and its stderr.
+    """
+    try:
+        done = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL, timeout=timeout, text=True)
+    except FileNotFoundError as exc:
+        raise EmunetError(f'command {argv[0]!r} not found while running {" ".join(argv)!r}: '
+                          f'install iproute2') from exc
+    except subprocess.TimeoutExpired as exc:
+        raise EmunetError(f'command {" ".join(argv)!r} timed out after {timeout:.0f} s') from exc
+    if done.returncode != 0:
+        raise EmunetError(f'command {" ".join(argv)!r} failed with exit code {done.returncode}: '
+                          f'{done.stderr.strip() or "(no stderr)"}')
+    return done.stdout
+
+
+def check_prerequisites(which: Callable[[str], Optional[str]] = shutil.which,
+                        euid: Optional[int] = None) -> None:
+    """Check that this process can build a topology.
+
+    Args:
+        which: lookup of executables on PATH (``shutil.which``); injectable for tests.
+        euid: effective user id to check; defaults to ``os.geteuid()``.
+
+    Raises:
+        EmunetError: naming every missing prerequisite (root, ``ip``, ``tc``).
+    """
+    problems = []
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        problems.append(f'emunet needs root (running as uid {euid}) to create network '
+                        f'namespaces; run the tests or benchmark with sudo')
+    for tool in ('ip', 'tc'):
+        if which(tool) is None:
+            problems.append(f'`{tool}` not found on PATH ({os.environ.get("PATH", "")}); '
+                            f'install iproute2')
+    if problems:
+        raise EmunetError('; '.join(problems))
+
+
+def _list_netns() -> List[str]:
+    """Names of all network namespaces known to ``ip netns``."""
+    names = []
+    for line in _run(['ip', 'netns', 'list']).splitlines():
+        if line.strip():
+            names.append(line.split()[0])
+    return names
+
+
+def _netns_pids(netns: str) -> List[int]:
+    """PIDs of processes living in ``netns`` (empty if the namespace is gone)."""
+    try:
+        out = _run(['ip', 'netns', 'pids', netns])
+    except EmunetError:
+        return []
+    return [int(tok) for tok in out.split() if tok.isdigit()]
+
+
+def _kill_pids(pids: Iterable[int], grace: float) -> None:
+    """SIGTERM the given PIDs, wait up to ``grace`` seconds, then SIGKILL survivors."""
+    pids = [p for p in pids if p != os.getpid()]
+    for pid in pids:
+        _signal_pid(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _pid_alive(p)]
+        if pids:
+            time.sleep(0.02)
+    for pid in pids:
+        _signal_pid(pid, signal.SIGKILL)
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rsplit(')', 1)[1].split()[0] != 'Z'
+
+
+def _pid_start_time(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/pid/stat)."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[19])
+
+
+def _delete_netns(netns: str, grace: float = 2.0) -> None:
+    """Stop every process inside ``netns`` by PID, then delete the namespace."""
+    _kill_pids(_netns_pids(netns), grace)
+    try:
+        _run(['ip', 'netns', 'delete', netns])
+    except EmunetError:
+        if netns in _list_netns():
+            raise
+
+
+# --------------------------------------------------------------------------- stale runs
+
+
+def _run_base(prefix: str, pid: int, run_id: str) -> str:
+    return f'{prefix}{pid}-{run_id}'
+
+
+def _parse_base(name: str, prefix: str) -> Optional[Tuple[str, int]]:
+    """``(base, pid)`` if ``name`` is a namespace created by this module with ``prefix``."""
+    m = re.match(re.escape(prefix) + r'(\d+)-([0-9a-f]+)(?:-|$)', name)
+    if not m:
+        return None
+    return f'{prefix}{m.group(1)}-{m.group(2)}', int(m.group(1))
+
+
+def _state_path(base: str) -> str:
+    return os.path.join(STATE_DIR, base + '.json')
+
+
+def _owner_alive(base: str, pid: int) -> bool:
+    """True if the process that created run ``base`` is still running (PID reuse checked)."""
+    if pid == os.getpid():
+        return True
+    if not _pid_alive(pid):
+        return False
+    try:
+        with open(_state_path(base)) as f:
+            recorded = json.load(f).get('start_time')
+    except (OSError, ValueError):
+        return True  # no record to compare: trust the PID
+    return recorded is None or recorded == _pid_start_time(pid)
+
+
+def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> List[str]:
+    """Remove namespaces left by runs whose creating process is gone.
+
+    Only namespaces named ``<prefix><pid>-<runid>-...`` (as ``Topology`` names them) are
+    considered; those of live runs are kept. Processes still inside a stale namespace were
+    started by that run and are stopped by PID before the namespace is deleted.
+
+    Args:
+        prefix: project prefix of the namespaces to consider.
+
+    Returns:
+        Names of the namespaces removed.
+
+    Raises:
+        EmunetError: a prerequisite is missing or a namespace could not be deleted.
+    """
+    check_prerequisites()
+    removed = []
+    stale_bases = set()
+    for name in _list_netns():
+        parsed = _parse_base(name, prefix)
+        if parsed is None:
+            continue
+        base, pid = parsed
+        if _owner_alive(base, pid):
+            continue
+        _delete_netns(name)
+        removed.append(name)
+        stale_bases.add(base)
+    if os.path.isdir(STATE_DIR):
+        for fname in os.listdir(STATE_DIR):
+            parsed = _parse_base(fname[:-5], prefix) if fname.endswith('.json') else None
+            if parsed and not _owner_alive(*parsed):
+                _remove_file(os.path.join(STATE_DIR, fname))
+    return removed
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# --------------------------------------------------------------------------- shaping
+
+
+def _normalize_rate(spec: RateSpec, what: str) -> Tuple[Rate, Rate]:
+    """``(up, down)`` in Mbit/s from a number (both directions), a pair, or None."""
+    if spec is None or isinstance(spec, (int, float)):
+        pair = (spec, spec)
+    elif isinstance(spec, (tuple, list)) and len(spec) == 2:
+        pair = (spec[0], spec[1])
+    else:
+        raise EmunetError(f'rate for {what} must be Mbit/s as a number, an (up, down) pair or '
+                          f'None, got {spec!r}')
+    for value in pair:
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise EmunetError(f'rate for {what} must be a positive number of Mbit/s or None '
+                              f'(unshaped), got {value!r}')
+    return (None if pair[0] is None else float(pair[0]),
+            None if pair[1] is None else float(pair[1]))
+
+
+def _tbf_args(mbit: float) -> List[str]:
+    """tc arguments of a tbf shaping to ``mbit`` Mbit/s."""
+    rate_bytes = mbit * 1e6 / 8
+    burst = max(MIN_BURST_BYTES, int(rate_bytes * 0.001))
+    limit = burst + max(MIN_QUEUE_BYTES, int(rate_bytes * QUEUE_SECONDS))
+    return ['tbf', 'rate', f'{int(round(mbit * 1e6))}bit', 'burst', str(burst),
+            'limit', str(limit)]
+
+
+def _apply_shaping(netns: str, dev: str, old: Rate, new: Rate) -> None:
+    """Set egress of ``dev`` in ``netns`` to ``new`` Mbit/s (None: unshaped), given ``old``."""
+    if new is None:
+        if old is not None:
+            _run(['tc', '-n', netns, 'qdisc', 'del', 'dev', dev, 'root'])
+        return
+    _run(['tc', '-n', netns, 'qdisc', 'replace', 'dev', dev, 'root'] + _tbf_args(new))
+
+
+def _qdisc_counters(netns: str, dev: str) -> Dict[str, object]:
+    """Counters of the root qdisc of ``dev``, from ``tc -s -j qdisc show``."""
+    out = _run(['tc', '-n', netns, '-s', '-j', 'qdisc', 'show', 'dev', dev])
+    try:
+        entries = json.loads(out)
+    except ValueError as exc:
+        raise EmunetError(f'unparseable output of `tc -s -j qdisc show dev {dev}` in '
+                          f'{netns}: {out[:200]!r}') from exc
+    root = next((e for e in entries if e.get('root')), entries[0] if entries else {})
+    return {
+        'kind': root.get('kind'),
+        'bytes': int(root.get('bytes', 0)),
+        'packets': int(root.get('packets', 0)),
+        'drops': int(root.get('drops', 0)),
+        'overlimits': int(root.get('overlimits', 0)),
+        'backlog': int(root.get('backlog', 0)),
+    }
+
+
+# --------------------------------------------------------------------------- topology
+
+
+class Topology:
+    """Nodes in their own namespaces on one shaped bridge.
+
+    Args:
+        nodes: node names (letters, digits, ``_``); addresses are assigned in this order,
+            starting at the first host of ``subnet``.
+        rates: per node Mbit/s, either one number (upload and download) or an
+            ``(up, down)`` pair; None means unshaped, a missing node ``default_rate``.
+        default_rate: rate of nodes not in ``rates``; None means unshaped.
+        prefix: project prefix of namespace names (``cleanup_stale`` looks for it).
+        subnet: IPv4 subnet inside 198.18.0.0/15 for node addresses.
+        handle_sigterm: while open, turn SIGTERM into ``SystemExit`` so the network is torn
+            down (only when the handler is SIG_DFL and this is the main thread).
+        kill_grace: seconds processes get between SIGTERM and SIGKILL on close.
+
+    Use as a context manager, or call ``start()`` and ``close()``.
+
+    Raises:
+        EmunetError: bad arguments, missing prerequisites, or a failed ``ip``/``tc`` command.
+    """
+
+    def __init__(self, nodes: Sequence[str], rates: Optional[Mapping[str, RateSpec]] = None,
+                 default_rate: RateSpec = None, prefix: str = DEFAULT_PREFIX,
+                 subnet: str = DEFAULT_SUBNET, handle_sigterm: bool = True,
+                 kill_grace: float = 2.0) -> None:
+        self._nodes = list(nodes)
+        self._check_nodes(self._nodes)
+        rates = dict(rates or {})
+        unknown = sorted(set(rates) - set(self._nodes))
+        if unknown:
+            raise EmunetError(f'rates given for unknown nodes {unknown}; nodes are {self._nodes}')
+        if not re.match(r'^[A-Za-z0-9_]{1,12}-$', prefix):
+            raise EmunetError(f'prefix {prefix!r} must be 1-12 letters/digits/_ ending in "-", '
+                              f'e.g. "mxps-"')
+        self._prefix = prefix
+        self._addrs, self._prefixlen = self._assign_addresses(subnet, self._nodes)
+        default = _normalize_rate(default_rate, 'default_rate')
+        self._wanted = {n: (_normalize_rate(rates[n], repr(n)) if n in rates else default)
+                        for n in self._nodes}
+        self._rates: Dict[str, Tuple[Rate, Rate]] = {n: (None, None) for n in self._nodes}
+        self._handle_sigterm = handle_sigterm
+        self._kill_grace = kill_grace
+        self._lock = threading.RLock()
+        self._procs: List[subprocess.Popen] = []
+        self._schedules: List[RateSchedule] = []
+        self._created: List[str] = []
+        self._base = _run_base(prefix, os.getpid(), secrets.token_hex(_RUN_ID_BYTES))
+        self._started = False
+        self._closed = False
+        self._prev_sigterm = None
+
+    @staticmethod
+    def _check_nodes(nodes: List[str]) -> None:
+        if not nodes:
+            raise EmunetError('a topology needs at least one node, got none')
+        for n in nodes:
+            if not isinstance(n, str) or not _NODE_NAME_RE.match(n):
+                raise EmunetError(f'node name {n!r} must be 1-40 letters, digits or "_"')
+        dup = sorted({n for n in nodes if nodes.count(n) > 1})
+        if dup:
+            raise EmunetError(f'duplicate node names {dup}')
+
+    @staticmethod
+    def _assign_addresses(subnet: str, nodes: List[str]) -> Tuple[Dict[str, str], int]:
+        try:
+            net = ipaddress.ip_network(subnet)
+        except ValueError as exc:
+            raise EmunetError(f'subnet {subnet!r} is not a valid IPv4 network: {exc}') from exc
+        if net.version != 4 or not net.subnet_of(ALLOWED_NETWORK):
+            raise EmunetError(f'subnet {subnet!r} must lie inside {ALLOWED_NETWORK} (the '
+                              f'benchmarking range) so no real address is ever used')
+        hosts = list(net.hosts()) if net.num_addresses <= 65536 else None
+        if hosts is None or len(hosts) < len(nodes):
+            capacity = len(hosts) if hosts is not None else 'too many'
+            raise EmunetError(f'subnet {subnet!r} holds {capacity} hosts, fewer than the '
+                              f'{len(nodes)} nodes, or is larger than a /16')
+        return {n: str(h) for n, h in zip(nodes, hosts)}, net.prefixlen
+
+    # ----------------------------------------------------------------- naming and lookup
+
+    @property
+    def nodes(self) -> List[str]:
+        """Node names in the order given."""
+        return list(self._nodes)
+
+    @property
+    def bridge_netns(self) -> str:
+        """Name of the namespace holding the bridge."""
+        return f'{self._base}-br'
+
+    @property
+    def namespaces(self) -> List[str]:
+        """Every namespace this topology creates (bridge first)."""
+        return [self.bridge_netns] + [self.netns(n) for n in self._nodes]
+
+    def _node(self, node: str) -> str:
+        if node not in self._addrs:
+            raise EmunetError(f'unknown node {node!r}; nodes are {self._nodes}')
+        return node
+
+    def addr(self, node: str) -> str:
+        """IPv4 address of ``node`` (deterministic by the order nodes were given)."""
+        return self._addrs[self._node(node)]
+
+    def netns(self, node: str) -> str:
+        """Namespace name of ``node``."""
+        return f'{self._base}-n-{self._node(node)}'
+
+    def _bridge_port(self, node: str) -> str:
+        return f'p{self._nodes.index(node)}'
+
+    def wrap(self, node: str, argv: Sequence[str]) -> List[str]:
+        """``argv`` prefixed so that it runs inside ``node``'s namespace."""
+        return ['ip', 'netns', 'exec', self.netns(node)] + [str(a) for a in argv]
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> 'Topology':
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def start(self) -> 'Topology':
+        """Create namespaces, bridge, links, addresses, routes and shaping.
+
+        Leftovers of crashed runs with the same prefix are removed first (``cleanup_stale``).
+        On any failure everything created so far is removed before the error propagates.
+        """
+        if self._started:
+            raise EmunetError(f'topology {self._base} was already started')
+        cleanup_stale(self._prefix)
+        self._started = True
+        atexit.register(self.close)
+        self._install_sigterm()
+        try:
+            self._write_state()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _write_state(self) -> None:
+        os.makedirs(STATE_DIR, exist_ok=True)
+        state = {'pid': os.getpid(), 'start_time': _pid_start_time(os.getpid()),
+                 'namespaces': self.namespaces}
+        with open(_state_path(self._base), 'w') as f:
+            json.dump(state, f)
+
+    def _add_netns(self, name: str) -> None:
+        _run(['ip', 'netns', 'add', name])
+        self._created.append(name)
+        _run(['ip', '-n', name, 'link', 'set', 'lo', 'up'])
+        if shutil.which('sysctl') and os.path.isdir('/proc/sys/net/ipv6'):
+            _run(['ip', 'netns', 'exec', name, 'sysctl', '-q', '-w',
+                  'net.ipv6.conf.all.disable_ipv6=1', 'net.ipv6.conf.default.disable_ipv6=1'])
+
+    def _build(self) -> None:
+        br = self.bridge_netns
+        self._add_netns(br)
+        _run(['ip', '-n', br, 'link', 'add', BRIDGE_IFACE, 'type', 'bridge'])
+        _run(['ip', '-n', br, 'link', 'set', BRIDGE_IFACE, 'up'])
+        for node in self._nodes:
+            ns, port = self.netns(node), self._bridge_port(node)
+            self._add_netns(ns)
+            _run(['ip', '-n', ns, 'link', 'add', NODE_IFACE, 'type', 'veth',
+                  'peer', 'name', port, 'netns', br])
+            _run(['ip', '-n', br, 'link', 'set', port, 'master', BRIDGE_IFACE])
+            _run(['ip', '-n', br, 'link', 'set', port, 'up'])
+            _run(['ip', '-n', ns, 'addr', 'add', f'{self.addr(node)}/{self._prefixlen}',
+                  'dev', NODE_IFACE])
+            _run(['ip', '-n', ns, 'link', 'set', NODE_IFACE, 'up'])
+            # On-link default route: "which address would reach the world" lookups (e.g. a
+            # UDP connect to 10.255.255.255) resolve to the node's address; nothing is sent.
+            _run(['ip', '-n', ns, 'route', 'add', 'default', 'dev', NODE_IFACE])
+            up, down = self._wanted[node]
+            self.set_rate(node, up, down)
+
+    def _install_sigterm(self) -> None:
+        if not self._handle_sigterm or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def on_sigterm(signum, frame):
+            raise SystemExit(128 + signum)
+
+        self._prev_sigterm = on_sigterm
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm(self) -> None:
+        if self._prev_sigterm is None:
+            return
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is self._prev_sigterm):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._prev_sigterm = None
+
+    def close(self) -> None:
+        """Stop schedules and tracked processes, then delete every namespace created.
+
+        Idempotent; safe to call from atexit. Raises EmunetError only after trying everything,
+        if some namespace could not be deleted.
+        """
+        with self._lock:
+            if self._closed or not self._started:
+                return
+            self._closed = True
+        errors = []
+        for sched in list(self._schedules):
+            sched.stop(raise_errors=False)
+        procs = [p for p in self._procs if p.poll() is None]
+        _kill_pids([p.pid for p in procs], self._kill_grace)
+        for p in procs:
+            try:
+                p.wait(timeout=self._kill_grace)
+            except subprocess.TimeoutExpired:
+                errors.append(f'process {p.pid} ({p.args!r}) survived SIGKILL')
+        for ns in reversed(self._created):
+            try:
+                _delete_netns(ns, self._kill_grace)
+            except EmunetError as exc:
+                errors.append(str(exc))
+        if not errors:
+            _remove_file(_state_path(self._base))
+        self._restore_sigterm()
+        atexit.unregister(self.close)
+        if errors:
+            raise EmunetError(f'cleanup of {self._base} incomplete (run cleanup_stale() later): '
+                              + '; '.join(errors))
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if not self._started or self._closed:
+            raise EmunetError(f'topology {self._base} is not open (use it inside `with`)')
+
+    # ----------------------------------------------------------------- processes
+
+    def popen(self, node: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside ``node``'s namespace; it is stopped (by PID) on close.
+
+        ``kwargs`` go to ``subprocess.Popen``; ``start_new_session`` defaults to True so a
+        Ctrl-C at the terminal reaches only this process, which then tears the network down.
+        """
+        self._check_open()
+        kwargs.setdefault('start_new_session', True)
+        proc = subprocess.Popen(self.wrap(node, argv), **kwargs)
+        with self._lock:
+            self._procs.append(proc)
+        return proc
+
+    @property
+    def processes(self) -> List[subprocess.Popen]:
+        """Processes started with ``popen`` (running or not)."""
+        return list(self._procs)
+
+    # ----------------------------------------------------------------- shaping
+
+    _UNSET = object()
+
+    def set_rate(self, node: str, up_mbit: Rate, down_mbit: object = _UNSET) -> None:
+        """Change ``node``'s shaping live. Mbit/s; None is unshaped; ``down_mbit`` defaults
+        to ``up_mbit``.
+
+        Lowering a rate drops what is queued beyond the new limit (see ``qdisc_stats``).
+        """
+        self._check_open()
+        down = up_mbit if down_mbit is self._UNSET else down_mbit
+        up, down = _normalize_rate((up_mbit, down), repr(node))
+        with self._lock:
+            old_up, old_down = self._rates[self._node(node)]
+            _apply_shaping(self.netns(node), NODE_IFACE, old_up, up)
+            self._rates[node] = (up, old_down)
+            _apply_shaping(self.bridge_netns, self._bridge_port(node), old_down, down)
+            self._rates[node] = (up, down)
+
+    def rate(self, node: str) -> Tuple[Rate, Rate]:
+        """Current ``(up, down)`` of ``node`` in Mbit/s (None: unshaped)."""
+        return self._rates[self._node(node)]
+
+    def qdisc_stats(self, node: str) -> Dict[str, Dict[str, object]]:
+        """Counters of ``node``'s shapers: ``{'up': {...}, 'down': {...}}``.
+
+        Each holds ``kind`` (``tbf`` when shaped), ``bytes``, ``packets``, ``drops``,
+        ``overlimits`` and ``backlog`` (bytes queued now). Counters survive rate changes.
+        """
+        self._check_open()
+        return {'up': _qdisc_counters(self.netns(node), NODE_IFACE),
+                'down': _qdisc_counters(self.bridge_netns, self._bridge_port(self._node(node)))}
+
+    def run_schedule(self, events: Sequence[Tuple[float, Mapping[str, RateSpec]]]
+                     ) -> 'RateSchedule':
+        """Apply rate changes at offsets (seconds) from now, in a background thread.
+
+        Each event maps nodes to a rate spec as in ``rates`` (number, (up, down) or None).
+        """
+        self._check_open()
+        checked = []
+        for t, changes in events:
+            if not isinstance(t, (int, float)) or t < 0:
+                raise EmunetError(f'schedule offset must be seconds >= 0, got {t!r}')
+            checked.append((float(t), {self._node(n): _normalize_rate(r, repr(n))
+                                       for n, r in changes.items()}))
+        sched = RateSchedule(self, sorted(checked, key=lambda e: e[0]))
+        with self._lock:
+            self._schedules.append(sched)
+        sched._start()
+        return sched
+
+
+class RateSchedule:
+    """Background application of timed rate changes; made by ``Topology.run_schedule``.
+
+    Attributes:
+        log: ``(wall_time, node, up, down)`` for each change actually applied.
+        errors: exceptions raised while applying changes (the schedule stops at the first).
+    """
+
+    def __init__(self, topo: Topology,
+                 events: List[Tuple[float, Dict[str, Tuple[Rate, Rate]]]]) -> None:
+        self._topo = topo
+        self._events = events
+        self._stop = threading.Event()
+        self.log: List[Tuple[float, str, Rate, Rate]] = []
+        self.errors: List[BaseException] = []
+        self._thread = threading.Thread(target=self._loop, name='emunet-schedule', daemon=True)
+
+    def _start(self) -> None:
+        self._t0 = time.monotonic()
+        self._thread.start()
+
+    def _loop(self) -> None:
+        for offset, changes in self._events:
+            if self._stop.wait(max(0.0, self._t0 + offset - time.monotonic())):
+                return
+            for node, (up, down) in changes.items():
+                try:
+                    self._topo.set_rate(node, up, down)
+                except Exception as exc:  # reported through .errors / stop()
+                    self.errors.append(exc)
+                    return
+                self.log.append((time.time(), node, up, down))
+
+    @property
+    def done(self) -> bool:
+        """True when every event was applied, or the schedule was stopped or failed."""
+        return not self._thread.is_alive()
+
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the schedule to finish; True if it did. Raises the first apply error."""
+        self._thread.join(timeout)
+        self._raise_errors()
+        return self.done
+
+    def stop(self, raise_errors: bool = True) -> None:
+        """Stop applying further changes and wait for the thread."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        if raise_errors:
+            self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        if self.errors:
+            raise EmunetError(f'rate schedule failed: {self.errors[0]}') from self.errors[0]
