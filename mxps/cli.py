@@ -1,0 +1,70 @@
+"""The ``mxps`` command.
+
+    mxps launch -n 2 -s 2 -- python examples/train_digits.py
+
+runs MXNet's own launcher (``<site-packages>/mxnet/tools/launch.py --launcher local``), unchanged,
+inside a private network namespace (mxps.emunet): the local launcher gives every process this
+machine's external address as DMLC_PS_ROOT_URI; inside the namespace that address is the
+namespace's own 198.18.0.0/15 address, so the job's traffic never leaves the namespace.  Needs
+root (network namespaces).
+"""
+import argparse
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+
+
+def mxnet_launcher():
+    """Path of MXNet's launch.py, found without importing mxnet."""
+    spec = importlib.util.find_spec("mxnet")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("mxps: mxnet is not installed (pip install mxnet==1.9.1)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "tools", "launch.py")
+    if not os.path.exists(path):
+        raise SystemExit("mxps: MXNet's launcher is missing: %s" % path)
+    return path
+
+
+def cmd_launch(args):
+    from . import emunet, patching
+    if not patching.check():
+        raise SystemExit("mxps: MXNet's launcher is not patched for Python 3.9+ (its "
+                         "dmlc_tracker calls Thread.isAlive). Run: mxps-patch apply")
+    if not args.command:
+        raise SystemExit("mxps launch: give the training command after --")
+    command = args.command[1:] if args.command[0] == "--" else args.command
+    emunet.check_prerequisites()
+    emunet.cleanup_stale()
+    argv = [sys.executable, mxnet_launcher(), "-n", str(args.num_workers),
+            "-s", str(args.num_servers), "--launcher", "local"] + command
+    with emunet.Topology(["job"]) as topo:
+        proc = topo.popen("job", argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            return 130
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="mxps", description="mxps parameter server tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    la = sub.add_parser("launch", help="run MXNet's launcher (--launcher local) in a private "
+                        "network namespace")
+    la.add_argument("-n", "--num-workers", type=int, default=2)
+    la.add_argument("-s", "--num-servers", type=int, default=2)
+    la.add_argument("command", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.cmd == "launch":
+        return cmd_launch(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
