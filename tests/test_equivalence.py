@@ -1,0 +1,118 @@
+"""mxps trains exactly what native MXNet dist_sync trains.
+
+Same model, seeds, per-worker data and 20 steps as tests/jobs/train_job.py; the final weights of
+an mxps job must match the native job's. Each native configuration runs once per session
+(shared with test_native_baseline.py through cluster.job_cache).
+
+Tolerance: per parameter, ||w_mxps - w_native|| / ||w_native|| <= 1e-5. A relative norm, not an
+elementwise rtol: entries that pass through zero (biases, small weights) would fail an
+elementwise rtol on one ulp of rounding of their larger neighbours. 1e-5 is far above float32
+rounding accumulated over 20 steps (native update-on-servers vs update-on-workers agree bit for
+bit, see test_native_baseline) and far below any real difference: dropping one worker's
+gradient, a wrong rescale (x num_workers) or a missing lr_mult changes weights by >1e-3.
+
+If mxps cannot be imported (or does not register kvstore 'mxps') every test here FAILS with
+that message, on purpose: a missing plugin must not look like a pass or a skip. (A check that
+fails at collection time would abort the whole pytest session, native tests included, so the
+check is a module-scoped autouse fixture that runs once.)
+
+EQUIV_KVSTORE=dist_sync runs every case with native as the candidate: a check of the harness,
+the cases and the tolerance (3 workers sum in arrival order on native servers, so those runs
+are not bit-identical run to run).
+"""
+import os
+
+import pytest
+
+import cluster
+from cluster import (assert_synchronised, assert_weights_close, load_meta, load_weights,
+                     train_env)
+
+RTOL = 1e-5
+# The kvstore under test. EQUIV_KVSTORE=dist_sync checks this file and its tolerance against
+# native itself (every candidate job is a fresh native run with explicit settings).
+CANDIDATE = os.environ.get("EQUIV_KVSTORE", "mxps")
+BIG_BOUND = {"MXNET_KVSTORE_BIGARRAY_BOUND": 100000}   # splits mlp_big's 131072-element weight
+
+_CHECK = ("import mxps, mxnet as mx\n"
+          "reg = getattr(mx.kv.KVStoreBase, 'kv_registry', {})\n"
+          "assert 'mxps' in reg, 'kvstore mxps not registered; registered: %s' % sorted(reg)\n")
+_mxps_problem = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mxps_is_importable():
+    if not CANDIDATE.startswith("mxps"):
+        return
+    if not _mxps_problem:
+        try:
+            cluster.run_single(["-c", _CHECK], timeout=120)
+            _mxps_problem.append("")
+        except AssertionError as exc:
+            _mxps_problem.append(str(exc))
+    if _mxps_problem[0]:
+        pytest.fail("mxps cannot be used (import mxps; kvstore 'mxps' registered) from %s:\n%s"
+                    % (cluster.REPO_ROOT, _mxps_problem[0]), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def jobs(tmp_path_factory):
+    return cluster.job_cache(tmp_path_factory)
+
+
+# (id, workers, servers, native config, mxps config). lr_mult cases compare against native with
+# update on the workers, the only native mode that honours lr_mult (see test_native_baseline);
+# mxps honours it in both modes.
+CASES = []
+for _w, _s in ((2, 2), (3, 2)):
+    for _uok, _mode in ((True, "servers"), (False, "workers")):
+        # native: Trainer's default for dist_sync is update on servers (shares the run
+        # with test_native_baseline); mxps: asked for explicitly.
+        CASES.append(("sgd-%dx%d-update_on_%s" % (_w, _s, _mode), _w, _s,
+                      dict(update_on_kvstore=None if _uok else False),
+                      dict(update_on_kvstore=_uok)))
+        CASES.append(("adam_lrmult-%dx%d-update_on_%s" % (_w, _s, _mode), _w, _s,
+                      dict(optimizer="adam", lr_mult=True, update_on_kvstore=False),
+                      dict(optimizer="adam", lr_mult=True, update_on_kvstore=_uok)))
+CASES += [
+    ("sgd-2x2-2devices", 2, 2, dict(devices=2), dict(devices=2)),
+    ("sgd-2x2-kvstore_object", 2, 2, dict(), dict(kv_object=True)),
+    ("mlp_big-2x2-split", 2, 2, dict(model="mlp_big", **BIG_BOUND),
+     dict(model="mlp_big", **BIG_BOUND)),
+    ("module-2x2", 2, 2, dict(api="module"), dict(api="module")),
+]
+
+
+@pytest.mark.parametrize("workers,servers,native_cfg,mxps_cfg",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_mxps_final_weights_equal_native_dist_sync(jobs, workers, servers, native_cfg,
+                                                   mxps_cfg):
+    # Native 1.9.1 with 3 workers and update on the workers once (of several runs) ended
+    # with rank 2 holding different weights (max abs diff 3.5 in the last layer); a rerun was
+    # synchronised. A reference must be synchronised, so a native run gets one retry
+    # (logged in jobs.retried); the candidate gets none.
+    native = jobs.train(train_env("dist_sync", **native_cfg), workers, servers,
+                        validate=lambda d: assert_synchronised(d, workers), retries=1)
+    mine = jobs.train(train_env(CANDIDATE, **mxps_cfg), workers, servers)
+    reference = assert_synchronised(native.out_dir, workers, kvstore_type="dist_sync")
+    got = assert_synchronised(mine.out_dir, workers)
+    for cfg, run in ((native_cfg, native), (mxps_cfg, mine)):
+        meta = load_meta(run.out_dir, 0)
+        want = cfg.get("update_on_kvstore")
+        want = True if want is None and cfg.get("api", "gluon") == "gluon" else want
+        if want is not None:
+            assert meta["update_on_kvstore"] == want, \
+                "%s ran with update_on_kvstore=%s, asked %s" % (
+                    meta["kvstore_requested"], meta["update_on_kvstore"], want)
+    assert_weights_close(got, reference, rtol=RTOL, what="mxps vs native dist_sync")
+    for r in range(1, workers):   # per rank too: rank r trained on the same shard in both
+        assert_weights_close(load_weights(mine.out_dir, r), load_weights(native.out_dir, r),
+                             rtol=RTOL, what="rank %d mxps vs native" % r)
+
+
+def test_mxps_job_uses_only_loopback_sockets(jobs):
+    run = jobs.train(train_env(CANDIDATE, update_on_kvstore=True), 2, 2)
+    outside = [s for s in run.result.sockets if not (
+        cluster.is_loopback_address(s["local"]) and
+        (s["state"] == "LISTEN" or cluster.is_loopback_address(s["peer"])))]
+    assert not outside, outside
