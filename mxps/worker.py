@@ -126,6 +126,16 @@ class Client:
         time.sleep(0.3)
         self._stopped.set()
 
+    def _check_overdue(self, now):
+        # the oldest outstanding request is the first one in insertion order
+        for _, sent, server, h in self._pending.values():
+            if now - sent > self.cfg.timeout:
+                control.fatal("worker %d" % self.rank,
+                              "server %d (%s) did not answer %r within %.0f s (MXPS_TIMEOUT); "
+                              "a worker may have stopped pushing this key"
+                              % (server, self.server_addrs[server], h, self.cfg.timeout))
+            break
+
     # -- the I/O thread ----------------------------------------------------------------------
     def _io_loop(self):
         try:
@@ -153,7 +163,7 @@ class Client:
                     self.link.send(h.type, payload)
                     continue
                 if on_reply is not None:
-                    self._pending[h.request_id] = on_reply
+                    self._pending[h.request_id] = (on_reply, time.monotonic(), server, h)
                 transport.send(self.servers[server], h, payload)
                 if payload is not None:
                     self.bytes_sent[server] += memoryview(payload).nbytes
@@ -163,17 +173,19 @@ class Client:
                         _, h, payload = transport.recv(sock)
                         if payload is not None:
                             self.bytes_received[i] += len(payload)
-                        cb = self._pending.pop(h.request_id, None)
-                        if cb is None:
+                        entry = self._pending.pop(h.request_id, None)
+                        if entry is None:
                             log.warning("reply to an unknown request: %r", h)
                             continue
-                        cb(h, payload)
+                        entry[0](h, payload)
             if self.link.sock in events:
                 while self.link.sock.poll(0):
                     _, h, p = transport.recv(self.link.sock)
                     self.link.handle(h, p)
+            now = time.monotonic()
             if not self._finished or not self.link.shutdown:
-                self.link.tick(time.monotonic())
+                self.link.tick(now)
+            self._check_overdue(now)
         for s in self.servers:
             s.close(linger=500)
         self.link.close()
