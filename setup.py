@@ -29,8 +29,9 @@ setup(
     if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.8",
-    packages=find_packages(include=["mxps", "mxps.*"]),
-    package_data={"mxps": ["patches/*.patch"]},
+    packages=find_packages(include=["mxps", "mxps.*"]) + ["mxps._patches"],
+    package_dir={"mxps._patches": "patches"},
+    package_data={"mxps._patches": ["*.patch", "README.md"]},
     ext_modules=cythonize(EXTENSIONS, compiler_directives={"language_level": "3"}),
     install_requires=[
         # mxps patches and drives MXNet 1.9.1 internals: exactly this version.
