@@ -21,6 +21,7 @@ import zmq
 from . import control, transport, wire
 from .accum import add_into, copy_into
 from .control import SchedulerLink, poll_forever
+from .ndview import numpy_view
 from .wire import Header, MsgType
 
 log = logging.getLogger("mxps.server")
@@ -31,18 +32,19 @@ class RequestError(ValueError):
 
 
 class _Round:
-    __slots__ = ("acc", "senders")
+    __slots__ = ("acc", "acc_nd", "senders")
 
-    def __init__(self, acc):
-        self.acc = acc
+    def __init__(self, acc, acc_nd):
+        self.acc = acc            # numpy view of the sum
+        self.acc_nd = acc_nd      # the NDArray behind it (update on servers), or None
         self.senders = set()
 
 
 class _Slot:
     """This server's slice of one key."""
 
-    __slots__ = ("key", "offset", "length", "dtype_code", "weight_nd", "snapshot", "applied",
-                 "rounds", "waiting")
+    __slots__ = ("key", "offset", "length", "dtype_code", "weight_nd", "weight", "snapshot",
+                 "applied", "rounds", "waiting", "free")
 
     def __init__(self, key, offset, length, dtype_code, weight_nd, snapshot):
         self.key = key
@@ -50,10 +52,12 @@ class _Slot:
         self.length = length
         self.dtype_code = dtype_code
         self.weight_nd = weight_nd      # the stored value, an NDArray the optimizer updates
-        self.snapshot = snapshot        # numpy copy of the value after the last round (replies)
+        self.weight = numpy_view(weight_nd)
+        self.snapshot = snapshot        # what pulls get: the value after the last round
         self.applied = 0                # rounds completed
         self.rounds = {}                # round -> _Round
         self.waiting = []               # (ident, header) pulls waiting for a later round
+        self.free = []                  # reusable (acc, acc_nd) accumulators
 
 
 def _to_numpy(state):
@@ -135,7 +139,9 @@ class Server:
             if self.updater is None:
                 raise RequestError("key %d: dist_async needs the optimizer on the servers "
                                    "(update_on_kvstore=True / set_optimizer)" % h.key)
-            self._apply(slot, grad)
+            rnd = self._new_round(slot, grad)
+            copy_into(rnd.acc, grad)
+            self._apply(slot, rnd)
             slot.applied += 1
         else:
             if h.iteration <= slot.applied:
@@ -143,7 +149,7 @@ class Server:
                                    "complete" % (h.key, h.sender, h.iteration, slot.applied))
             rnd = slot.rounds.get(h.iteration)
             if rnd is None:
-                rnd = slot.rounds[h.iteration] = _Round(np.empty_like(grad))
+                rnd = slot.rounds[h.iteration] = self._new_round(slot, grad)
                 copy_into(rnd.acc, grad)
             elif h.sender in rnd.senders:
                 raise RequestError("key %d: worker %d pushed round %d twice"
@@ -157,7 +163,7 @@ class Server:
                 if nxt is None or len(nxt.senders) < self.num_workers:
                     break
                 del slot.rounds[slot.applied + 1]
-                self._apply(slot, nxt.acc)
+                self._apply(slot, nxt)
                 slot.applied += 1
         if h.type == MsgType.PUSH:
             self._reply(ident, h, MsgType.ACK, length=0)
@@ -165,14 +171,33 @@ class Server:
             self._on_pull(ident, h)
         self._answer_waiting(slot)
 
-    def _apply(self, slot, merged):
+    def _new_round(self, slot, grad):
+        if self.updater is None:        # the sum becomes the stored value: a fresh buffer
+            return _Round(np.empty_like(grad), None)
+        if slot.free:
+            acc, acc_nd = slot.free.pop()
+        else:
+            acc_nd = self.mx.nd.zeros((slot.length,), dtype=grad.dtype)
+            acc_nd.wait_to_read()
+            acc = numpy_view(acc_nd)
+        return _Round(acc, acc_nd)
+
+    def _apply(self, slot, rnd):
         if self.updater is None:
-            slot.snapshot = merged          # stored = merged (update on workers)
+            slot.snapshot = rnd.acc          # stored = merged (update on workers)
             return
-        mx = self.mx
-        grad_nd = mx.nd.array(merged, dtype=merged.dtype)
-        self.updater(slot.key, grad_nd, slot.weight_nd)
-        slot.snapshot = slot.weight_nd.asnumpy().reshape(-1)
+        acc_nd = rnd.acc_nd
+        if acc_nd is None:                   # the round began before set_optimizer
+            acc_nd = self.mx.nd.array(rnd.acc, dtype=rnd.acc.dtype)
+        self.updater(slot.key, acc_nd, slot.weight_nd)
+        slot.weight_nd.wait_to_read()        # the update (which read acc_nd) is done
+        if rnd.acc_nd is not None:
+            slot.free.append((rnd.acc, rnd.acc_nd))
+        # Sync mode replies straight from the stored weights, without a copy: round r+1 can
+        # only complete once every worker pushed r+1, and a worker pushes r+1 of a key only
+        # after its pull of round r was answered, so no reply of round r is still being sent
+        # when the weights change.  Async mode applies pushes any time: replies get a copy.
+        slot.snapshot = slot.weight if self.cfg.sync else slot.weight.copy()
 
     def _on_pull(self, ident, h):
         slot = self._slot_for(h)
