@@ -63,6 +63,7 @@ class Client:
         os.set_blocking(self._wake_w, False)
         self._barrier_seq = 0
         self._stopped = threading.Event()
+        self._sleeping = True
         self._finished = False
         self.bytes_sent = [0] * self.num_servers
         self.bytes_received = [0] * self.num_servers
@@ -75,10 +76,16 @@ class Client:
         header.request_id = next(self._ids)
         header.sender = self.rank
         self._queue.append((server, header, payload, on_reply))
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass   # the pipe is full of wake-ups already
+        self._wake()
+
+    def _wake(self):
+        # Only a sleeping I/O thread needs the (GIL-releasing) write: it sets _sleeping before
+        # its last look at the queue, so an append it missed always sees _sleeping set.
+        if self._sleeping:
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass   # the pipe is full of wake-ups already
 
     def call(self, server, header, payload=None, what="request"):
         """Send and wait for the reply (deadline MXPS_TIMEOUT); raises RemoteError on ERROR."""
@@ -97,7 +104,7 @@ class Client:
         self._barrier_seq += 1
         seq = self._barrier_seq
         self._queue.append((None, Header(MsgType.BARRIER, sender=self.rank), None, None))
-        os.write(self._wake_w, b"x")
+        self._wake()
         # no deadline of our own: a dead peer is reported by the scheduler's heartbeat check
         while self.link.barrier_done < seq:
             time.sleep(0.0005 if self.num_workers == 1 else 0.001)
@@ -108,7 +115,7 @@ class Client:
             return
         self._finished = True
         self._queue.append((None, Header(MsgType.FINISH, sender=self.rank), None, None))
-        os.write(self._wake_w, b"x")
+        self._wake()
         deadline = time.monotonic() + self.cfg.timeout
         while not self.link.shutdown and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -122,7 +129,7 @@ class Client:
         self._finished = True
         self._queue.append((None, Header(MsgType.ABORT, sender=self.rank), message.encode(),
                             None))
-        os.write(self._wake_w, b"x")
+        self._wake()
         time.sleep(0.3)
         self._stopped.set()
 
@@ -154,7 +161,9 @@ class Client:
             index[s] = i
         wait_ms = int(self.cfg.heartbeat_interval * 1000 / 2)
         while not self._stopped.is_set():
-            events = control.poll_forever(poller, wait_ms)
+            self._sleeping = True
+            events = control.poll_forever(poller, 0 if self._queue else wait_ms)
+            self._sleeping = False
             if self._wake_r in events:
                 os.read(self._wake_r, 65536)
             while self._queue:
