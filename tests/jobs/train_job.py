@@ -11,7 +11,8 @@ Environment:
   JOB_API                gluon (default) or module (mx.mod.Module.fit on a symbol MLP).
   JOB_OPTIMIZER          sgd (default; momentum 0.9, wd 1e-4) or adam (wd 1e-4).
   JOB_LR                 learning rate (default 0.1 for sgd, 0.01 for adam).
-  JOB_LR_MULT            1: lr_mult = 0.5 on the first dense layer's weight (gluon only).
+  JOB_LR_MULT            1: lr_mult = 0.5 on the first dense layer's weight (gluon only),
+                         set as users do: Parameter.lr_mult.
   JOB_UPDATE_ON_KVSTORE  1 / 0 / unset (Trainer's default). For module: sets
                          MXNET_UPDATE_ON_KVSTORE, which Module reads.
   JOB_STEPS              training steps (default 20).
@@ -102,7 +103,7 @@ def shard(x, y, rank, shards):
     """Rank's share of the data, as STEPS batches of BATCH samples (cycling if needed)."""
     xs, ys = x[rank::shards], y[rank::shards]
     idx = np.arange(STEPS * BATCH) % len(ys)
-    return xs[idx].reshape(STEPS, BATCH, -1), ys[idx].reshape(STEPS, BATCH)
+    return xs[idx].reshape(STEPS, BATCH, xs.shape[1]), ys[idx].reshape(STEPS, BATCH)
 
 
 def data_for(rank, num_workers):
