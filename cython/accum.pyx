@@ -32,6 +32,16 @@ def add_into(acc, src, int dtype_code):
     cdef const int32_t *bi
     cdef int64_t *al
     cdef const int64_t *bl
+    cdef Py_ssize_t itemsize
+    if dtype_code == F32 or dtype_code == I32:
+        itemsize = 4
+    elif dtype_code == F64 or dtype_code == I64:
+        itemsize = 8
+    else:
+        raise ValueError("add_into: unsupported dtype code %d" % dtype_code)
+    if a.shape[0] % itemsize:
+        raise ValueError("add_into: %d bytes is not a whole number of %d-byte elements"
+                         % (a.shape[0], itemsize))
     if a.shape[0] == 0:
         return
     with nogil:
@@ -59,8 +69,6 @@ def add_into(acc, src, int dtype_code):
             bl = <const int64_t *> &b[0]
             for i in range(n):
                 al[i] += bl[i]
-    if dtype_code not in (F32, F64, I32, I64):
-        raise ValueError("add_into: unsupported dtype code %d" % dtype_code)
 
 
 def copy_into(acc, src):

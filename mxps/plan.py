@@ -30,8 +30,12 @@ class Slice:
 
 
 def _c_round(x):
-    # C's round(): halfway cases away from zero (Python's round() rounds half to even)
-    return int(math.floor(x + 0.5)) if x >= 0 else -int(math.floor(-x + 0.5))
+    # C's round(): halfway cases away from zero (Python's round() rounds half to even).
+    # Not floor(x + 0.5): that addition itself rounds 0.49999999999999994 up to 1.0.
+    a = abs(x)
+    f = math.floor(a)
+    r = int(f) + (1 if a - f >= 0.5 else 0)
+    return r if x >= 0 else -r
 
 
 def mxnet_default_rule(key, size, num_servers, bigarray_bound):
@@ -47,7 +51,15 @@ def mxnet_default_rule(key, size, num_servers, bigarray_bound):
 
 
 def check_slices(key, size, slices, num_servers):
-    """Raise PlanError unless ``slices`` cover [0, size) exactly once, in order."""
+    """Raise PlanError unless ``slices`` cover [0, size) exactly once, in order.
+
+    A key with no elements is one empty slice (it still has an owner, as in MXNet)."""
+    if size == 0:
+        if len(slices) != 1 or slices[0].length != 0 or slices[0].offset != 0 \
+                or not 0 <= slices[0].server < num_servers:
+            raise PlanError("key %r has no elements: expected one empty slice, got %s"
+                            % (key, slices))
+        return
     pos = 0
     seen = set()
     for s in slices:
@@ -60,7 +72,7 @@ def check_slices(key, size, slices, num_servers):
         if s.offset != pos or s.length <= 0:
             raise PlanError("key %r: slice %s does not continue at element %d" % (key, s, pos))
         pos = s.stop
-    if pos != size and not (size == 0 and not slices):
+    if pos != size:
         raise PlanError("key %r: slices cover %d of %d elements" % (key, pos, size))
 
 
@@ -75,8 +87,14 @@ class Plan:
         self.version = version
         self.bigarray_bound = bigarray_bound
         self._rule = rule
-        self._table = dict(table or {})
+        self._table = {}
         self._sizes = {}
+        for key, slices in (table or {}).items():
+            slices = tuple(slices)
+            size = sum(x.length for x in slices)
+            check_slices(key, size, slices, num_servers)
+            self._table[key] = slices
+            self._sizes[key] = size
 
     def slices(self, key, size):
         """The slices of ``key`` (an int id) whose flat array has ``size`` elements."""
@@ -86,7 +104,7 @@ class Plan:
             check_slices(key, size, s, self.num_servers)
             self._table[key] = s
             self._sizes[key] = size
-        elif self._sizes.setdefault(key, sum(x.length for x in s)) != size:
+        elif self._sizes[key] != size:
             raise PlanError("key %r has %d elements, the plan places %d"
                             % (key, size, self._sizes[key]))
         return s

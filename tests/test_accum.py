@@ -134,9 +134,6 @@ def test_unsupported_dtype_raises_value_error_naming_the_code(impl, code):
     assert not acc.any()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: cython add_into returns before checking the dtype code when the slice is empty; "
-    "accum_py raises ValueError"))
 def test_unsupported_dtype_raises_for_an_empty_slice_in_both():
     e = np.empty(0, np.float32)
     with pytest.raises(ValueError):
@@ -145,9 +142,6 @@ def test_unsupported_dtype_raises_for_an_empty_slice_in_both():
         _accum.add_into(e, e, 99)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: cython add_into silently ignores trailing bytes when the byte length is not a "
-    "multiple of the element size; accum_py raises ValueError"))
 def test_a_byte_length_that_is_not_whole_elements_raises_in_both():
     acc, src = bytearray(6), bytes(6)
     with pytest.raises(ValueError):

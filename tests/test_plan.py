@@ -75,10 +75,6 @@ def test_default_rule_differs_from_bankers_rounding_on_a_halfway_boundary():
     assert mxnet_default_rule(0, 5, 2, 1) == (Slice(0, 0, 3), Slice(1, 3, 2))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug in plan._c_round: floor(x + 0.5) rounds 0.49999999999999994 to 1 (the addition rounds "
-    "to 1.0), C round() gives 0. 1.0/98*49 == 0.49999999999999994, so a 1-element key split "
-    "over 98 servers goes to server 48 instead of MXNet's 49"))
 def test_default_rule_rounds_a_tiny_split_like_c():
     x = 1.0 / 98 * 49
     assert x == 0.49999999999999994 and c_round(x) == 0
@@ -141,8 +137,11 @@ def test_check_slices_rejects_bad_placements_naming_the_key(slices, problem):
     assert problem in str(e.value)
 
 
-def test_check_slices_accepts_an_empty_key_with_no_slices():
-    check_slices(3, 0, (), 2)
+def test_check_slices_wants_one_empty_slice_for_an_empty_key():
+    check_slices(3, 0, (Slice(1, 0, 0),), 2)       # an empty key still has an owner
+    for bad in ((), (Slice(1, 0, 0), Slice(0, 0, 0)), (Slice(2, 0, 0),), (Slice(1, 0, 1),)):
+        with pytest.raises(PlanError, match="key 3"):
+            check_slices(3, 0, bad, 2)
 
 
 # --- Plan -------------------------------------------------------------------------------------
@@ -210,9 +209,6 @@ def test_elements_per_server_sums_every_placed_element(sizes, num_servers, bound
         assert per == expect
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: mxnet_default_rule(key, 0, ...) returns a zero-length Slice, which check_slices "
-    "rejects, so Plan.slices(key, 0) (kvstore init of an empty array) raises PlanError"))
 def test_plan_places_an_empty_array():
     p = Plan(4)
     check_slices(3, 0, p.slices(3, 0), 4)
