@@ -27,6 +27,7 @@ class Config:
     node_host: str
     mode: str = "sync"
     timeout: float = 120.0
+    start_timeout: float = 300.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     bigarray_bound: int = 1000 * 1000
@@ -114,6 +115,7 @@ def from_env(env=None, mode=None):
         node_host=_get(env, "DMLC_NODE_HOST") or _get(env, "MXPS_NODE_HOST") or "",
         mode=mode,
         timeout=_float(env, "MXPS_TIMEOUT", 120.0),
+        start_timeout=_float(env, "MXPS_START_TIMEOUT", 300.0),
         heartbeat_interval=_float(env, "MXPS_HEARTBEAT_INTERVAL", 1.0),
         heartbeat_timeout=_float(env, "MXPS_HEARTBEAT_TIMEOUT", 10.0),
         bigarray_bound=_int(env, "MXNET_KVSTORE_BIGARRAY_BOUND", 1000 * 1000, minimum=1),

@@ -46,6 +46,7 @@ class SchedulerLink:
         self.last_sent = 0.0
         self.shutdown = False
         self.abort_message = None
+        self.failing = False      # this node reported its own failure: the ABORT echo is ours
         self.barrier_done = 0
 
     @property
@@ -57,16 +58,16 @@ class SchedulerLink:
         body = json.dumps({"role": self.role, "host": host, "port": port,
                            "pid": os.getpid()}).encode()
         transport.send(self.sock, Header(MsgType.REGISTER), body)
-        deadline = time.monotonic() + self.cfg.timeout
+        deadline = time.monotonic() + self.cfg.start_timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
                 raise PeerLostError(
-                    "no mxps scheduler answered at %s:%d within %.0f s (MXPS_TIMEOUT). Is the "
+                    "no mxps scheduler answered at %s:%d within %.0f s (MXPS_START_TIMEOUT). Is the "
                     "scheduler running, and does the training script `import mxps` before "
                     "`import mxnet` (otherwise the scheduler and server processes start "
                     "MXNet's native roles instead)?"
-                    % (self.cfg.root_uri, self.cfg.root_port, self.cfg.timeout))
+                    % (self.cfg.root_uri, self.cfg.root_port, self.cfg.start_timeout))
             _, h, payload = transport.recv(self.sock)
             if h.type == MsgType.WELCOME:
                 self.welcome = json.loads(payload.bytes)
@@ -95,12 +96,23 @@ class SchedulerLink:
         self.last_heard = time.monotonic()
         if header.type == MsgType.ABORT:
             self.abort_message = payload.bytes.decode() if payload is not None else "aborted"
-            fatal(self.name, self.abort_message)
+            if not self.failing:
+                fatal(self.name, self.abort_message)
         elif header.type == MsgType.SHUTDOWN:
             self.shutdown = True
         elif header.type == MsgType.ACK and header.key == -2:   # barrier release
             self.barrier_done = max(self.barrier_done, header.iteration)
         return header.type
+
+    def fail(self, message, code=1):
+        """Tell the scheduler this node failed (so the job ends now, with this message), then
+        leave.  Call from the thread that owns the socket."""
+        self.failing = True
+        try:
+            self.send(MsgType.ABORT, message.encode())
+            time.sleep(0.3)    # let zmq's I/O thread put the ABORT on the wire
+        finally:
+            fatal(self.name, message, code)
 
     def drain(self):
         while self.sock.poll(0):

@@ -14,14 +14,13 @@ import logging
 import pickle
 import sys
 import threading
-import time
 import traceback
 
 import mxnet as mx
 import numpy as np
 from mxnet.kvstore import KVStoreBase
 
-from . import config, control, engine, wire
+from . import config, engine, wire
 from .ndview import handle_value, numpy_view
 from .plan import Plan
 from .wire import Header, MsgType
@@ -108,19 +107,22 @@ def _group(key, value):
 
 
 class _Countdown:
-    """Completes an engine operation when the last of n slice replies arrived."""
+    """Completes an engine operation when the last of n slice replies arrived (I/O thread)."""
 
-    __slots__ = ("n", "done", "what", "lock")
+    __slots__ = ("n", "done", "what", "lock", "link")
 
-    def __init__(self, n, done, what):
+    def __init__(self, n, done, what, link):
         self.n = n
         self.done = done
         self.what = what
         self.lock = threading.Lock()
+        self.link = link
 
     def __call__(self, header, payload):
         if header.type == MsgType.ERROR:
-            control.fatal("worker", "%s failed: %s" % (self.what, payload.bytes.decode()), code=1)
+            # nothing to raise into: the training thread may be blocked in MXNet waiting for
+            # this op; end the job with the server's message
+            self.link.fail("%s failed: %s" % (self.what, payload.bytes.decode()))
         with self.lock:
             self.n -= 1
             last = self.n == 0
@@ -219,7 +221,10 @@ class MXPS(KVStoreBase):
             old = self._keys.get(name)
             id_ = old.id if old is not None else self._key_id(name)
             size = int(np.prod(v.shape)) if v.shape else 1
-            k = _Key(name, id_, v.shape, v.dtype, self._plan.slices(id_, size))
+            try:
+                k = _Key(name, id_, v.shape, v.dtype, self._plan.slices(id_, size))
+            except wire.WireError as e:
+                raise TypeError("mxps: init of key %r: %s" % (name, e)) from None
             self._keys[name] = k
             if self.rank == 0:
                 flat = v.asnumpy().reshape(-1)
@@ -262,7 +267,7 @@ class MXPS(KVStoreBase):
                     if h.type == MsgType.DATA:
                         np.copyto(dview[h.offset:h.offset + h.length],
                                   wire.payload_array(h, payload))
-            done = _Countdown(len(k.slices), completion, what)
+            done = _Countdown(len(k.slices), completion, what, client.link)
             for s in k.slices:
                 h = Header(msg, key=k.id, iteration=it, plan_version=plan_version,
                            offset=s.offset, length=s.length,

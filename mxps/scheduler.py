@@ -72,16 +72,16 @@ class Scheduler:
     # -- phases ------------------------------------------------------------------------------
     def _rendezvous(self):
         want = {"server": self.cfg.num_servers, "worker": self.cfg.num_workers}
-        deadline = time.monotonic() + self.cfg.timeout
+        deadline = time.monotonic() + self.cfg.start_timeout
         while any(sum(n.role == r for n in self.nodes.values()) < k for r, k in want.items()):
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
                 have = {r: sum(n.role == r for n in self.nodes.values()) for r in want}
                 raise TimeoutError(
                     "mxps scheduler: only %d of %d servers and %d of %d workers registered "
-                    "within %.0f s (MXPS_TIMEOUT)" % (have["server"], want["server"],
-                                                      have["worker"], want["worker"],
-                                                      self.cfg.timeout))
+                    "within %.0f s (MXPS_START_TIMEOUT)" % (
+                        have["server"], want["server"], have["worker"], want["worker"],
+                        self.cfg.start_timeout))
             ident, h, payload = transport.recv(self.sock, with_ident=True)
             if h.type == MsgType.REGISTER:
                 info = json.loads(payload.bytes)

@@ -11,6 +11,7 @@ import collections
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -119,14 +120,20 @@ class Client:
         deadline = time.monotonic() + self.cfg.timeout
         while not self.link.shutdown and time.monotonic() < deadline:
             time.sleep(0.01)
+        if not self.link.shutdown:
+            sys.stderr.write("mxps worker %d: warning: the scheduler did not end the job within "
+                             "%.0f s of this worker finishing (MXPS_TIMEOUT); other workers are "
+                             "probably still training or stuck\n" % (self.rank, self.cfg.timeout))
         self._stopped.set()
         self._thread.join(5)
 
     def report_failure(self, message):
-        """Tell the scheduler this worker failed, so the job ends now instead of timing out."""
+        """Tell the scheduler this worker failed, so the job ends now instead of timing out;
+        the process then exits with its own status (an uncaught exception: 1)."""
         if self._finished:
             return
         self._finished = True
+        self.link.failing = True
         self._queue.append((None, Header(MsgType.ABORT, sender=self.rank), message.encode(),
                             None))
         self._wake()
@@ -137,10 +144,9 @@ class Client:
         # the oldest outstanding request is the first one in insertion order
         for _, sent, server, h in self._pending.values():
             if now - sent > self.cfg.timeout:
-                control.fatal("worker %d" % self.rank,
-                              "server %d (%s) did not answer %r within %.0f s (MXPS_TIMEOUT); "
-                              "a worker may have stopped pushing this key"
-                              % (server, self.server_addrs[server], h, self.cfg.timeout))
+                self.link.fail("server %d (%s) did not answer %r within %.0f s (MXPS_TIMEOUT); "
+                               "a worker may have stopped pushing this key"
+                               % (server, self.server_addrs[server], h, self.cfg.timeout))
             break
 
     # -- the I/O thread ----------------------------------------------------------------------
@@ -149,7 +155,7 @@ class Client:
             self._io_loop_inner()
         except Exception as e:   # a bug in mxps: fail the job loudly rather than hang it
             log.exception("mxps I/O thread failed")
-            control.fatal("worker %d" % self.rank, "I/O thread failed: %r" % (e,), code=1)
+            self.link.fail("I/O thread failed: %r" % (e,))
 
     def _io_loop_inner(self):
         poller = zmq.Poller()
