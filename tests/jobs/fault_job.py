@@ -19,9 +19,10 @@ Workers do what FAULT_MODE says and report into FAULT_OUT:
                         still serve: pushpull of a good key (sum of all workers) and FAULT_STEPS
                         gluon training steps on different data per rank (``weights_rank{R}.npz``).
   FAULT_MODE=disagree   rank 0 and rank 1 initialise key 7 with different sizes (only rank 0's
-                        value reaches the server); rank 1 then pushes its size, which the server
-                        must refuse.  Rank 0 waits for ``go`` in FAULT_OUT, pulls key 8 from the
-                        same server and writes ``served_rank0.json``.
+                        value reaches the server).  Rank 1 sends a raw push of its size, which
+                        the server refuses (``refused_rank1.json``); both ranks then pull key 8
+                        from the same server (``served_rank{R}.json``); then rank 1 pushes key 7
+                        through the kvstore, which ends the job with the server's message.
   FAULT_MODE=config     not a job: one plain process; for each case in FAULT_CASES (JSON list of
                         {name, env: {VAR: value or null}}) sets the variables, calls
                         ``mx.kv.create('mxps')`` and records the outcome in ``config.json``.
@@ -169,27 +170,38 @@ def run_badinput():
 
 
 def run_disagree():
+    from mxps.wire import Header, MsgType
     kv = mx.kv.create("mxps")
     rank = kv.rank
     _write_json("ready_rank%d.json" % rank, {"rank": rank, "pid": os.getpid(), "step": 0})
     size7 = 4 if rank == 0 else 6
     kv.init(7, mx.nd.zeros((size7,)))           # only rank 0's value is sent to the server
     kv.init(8, mx.nd.arange(3))
+    if rank == 0:
+        kv.push(7, mx.nd.ones((size7,)))         # accepted: waits in round 1 for rank 1
+        mx.nd.waitall()
+    else:
+        # 1. a refused request the worker can catch: the server answers with an error naming
+        #    the key and the ranges, and keeps serving
+        try:
+            kv._client.call(0, Header(MsgType.PUSH, key=7, iteration=1, offset=0, length=6,
+                                      dtype=0), np.ones(6, np.float32), what="raw push")
+            refused = None
+        except mxps.RemoteError as e:
+            refused = str(e)
+        _write_json("refused_rank1.json", {"message": refused})
+    out = mx.nd.zeros((3,))
+    kv.pull(8, out=out)                          # the same server, after the refusal
+    _write_json("served_rank%d.json" % rank, {"key8": out.asnumpy().tolist()})
     if rank != 0:
-        kv.push(7, mx.nd.ones((size7,)))        # [0, 6) of a key the server holds as [0, 4)
+        # 2. the same refusal inside training (an engine op): nothing to raise into, so the
+        #    worker ends the job with the server's message
+        kv.push(7, mx.nd.ones((size7,)))
         mx.nd.waitall()
         time.sleep(60)                           # should never get here: the refusal is fatal
         _write_json("survived_rank%d.json" % rank, {"rank": rank})
         return
-    kv.push(7, mx.nd.ones((size7,)))             # accepted: waits in round 1 for rank 1
-    mx.nd.waitall()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(OUT, "go")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    out = mx.nd.zeros((3,))
-    kv.pull(8, out=out)
-    _write_json("served_rank0.json", {"key8": out.asnumpy().tolist()})
-    time.sleep(60)          # the scheduler ends the job (rank 1 is lost)
+    time.sleep(60)          # the scheduler ends the job (rank 1 failed)
 
 
 def run_config():
