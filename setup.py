@@ -48,6 +48,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
+            "mxps=mxps.cli:main",
             "mxps-patch=mxps.patching:main",
         ],
     },
