@@ -116,3 +116,16 @@ def test_native_update_on_servers_ignores_lr_mult(jobs):
     diff = cluster.relative_difference(load_weights(workers_mult.out_dir, 0),
                                        load_weights(workers_plain.out_dir, 0))
     assert diff[LR_MULT_PARAM] > 1e-3, diff
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_one_process_simulation_of_the_workers_matches_native_dist_sync(jobs, workers):
+    # The reference test_equivalence uses where native dist_sync is unreliable (Adam with
+    # update on workers): W devices in one process, device i fed worker i's data, must train
+    # what native dist_sync trains (SGD with momentum and wd, update on servers).
+    native = jobs.train(train_env("dist_sync"), workers, 2,
+                        validate=lambda d: assert_synchronised(d, workers), retries=1)
+    sim = jobs.train(train_env("device", update_on_kvstore=False,
+                               JOB_SIMULATE_WORKERS=workers), workers, 0)
+    assert_weights_close(load_weights(sim.out_dir, 0), load_weights(native.out_dir, 0),
+                         rtol=1e-5, what="simulated workers vs native dist_sync")

@@ -18,6 +18,9 @@ Environment:
   JOB_STEPS              training steps (default 20).
   JOB_BATCH              batch size per worker (default 32; split across devices).
   JOB_DEVICES            contexts per worker: mx.cpu(0..N-1) (default 1).
+  JOB_SIMULATE_WORKERS   W: a single process (JOB_KVSTORE=device) plays W synchronous workers
+                         exactly, device i fed worker i's data; writes weights for ranks
+                         0..W-1 (all the same). The reference where native dist_sync is not.
   JOB_MODEL              mlp (default: 64-32-32-10) or mlp_big (64-2048-32-10: the first
                          weight has 131072 elements; lower MXNET_KVSTORE_BIGARRAY_BOUND below
                          that to exercise the big-array split across servers).
@@ -68,6 +71,10 @@ UPDATE_ON_KVSTORE = _env_flag("JOB_UPDATE_ON_KVSTORE")
 STEPS = _env_int("JOB_STEPS", 20)
 BATCH = _env_int("JOB_BATCH", 32)
 DEVICES = _env_int("JOB_DEVICES", 1)
+# JOB_SIMULATE_WORKERS=W: one process plays W synchronous workers exactly: W devices, device i
+# fed worker i's batches, gradients summed over devices by MXNet's local kvstore, every device
+# updated with the sum (what dist_sync with update on workers computes, with no network).
+SIMULATE = _env_int("JOB_SIMULATE_WORKERS", 0)
 MODEL = os.environ.get("JOB_MODEL", "mlp")
 KV_OBJECT = _env_flag("JOB_KV_OBJECT") or False
 SEED = _env_int("JOB_SEED", 42)
@@ -130,7 +137,7 @@ def write_results(rank, num_workers, kv, weights, step_seconds, extra):
 
 def run_gluon():
     from mxnet import autograd, gluon
-    ctxs = [mx.cpu(i) for i in range(DEVICES)]
+    ctxs = [mx.cpu(i) for i in range(SIMULATE or DEVICES)]
     net = gluon.nn.HybridSequential(prefix="net_")
     with net.name_scope():
         in_units = 64
@@ -157,14 +164,21 @@ def run_gluon():
     kv = trainer._kvstore
     rank = kv.rank if kv is not None else 0
     num_workers = kv.num_workers if kv is not None else 1
-    xb, yb = data_for(rank, num_workers)
+    if SIMULATE:
+        shards = [data_for(i, SIMULATE) for i in range(SIMULATE)]
+    else:
+        xb, yb = data_for(rank, num_workers)
 
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     step_seconds = []
     for step in range(STEPS):
         t0 = time.perf_counter()
-        xs = gluon.utils.split_and_load(xb[step], ctxs, even_split=True)
-        ys = gluon.utils.split_and_load(yb[step], ctxs, even_split=True)
+        if SIMULATE:
+            xs = [mx.nd.array(sx[step], ctx=c) for (sx, _), c in zip(shards, ctxs)]
+            ys = [mx.nd.array(sy[step], ctx=c) for (_, sy), c in zip(shards, ctxs)]
+        else:
+            xs = gluon.utils.split_and_load(xb[step], ctxs, even_split=True)
+            ys = gluon.utils.split_and_load(yb[step], ctxs, even_split=True)
         with autograd.record():
             losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
         for loss in losses:
@@ -179,9 +193,11 @@ def run_gluon():
             if not np.array_equal(weights[name], p.data(c).asnumpy()):
                 raise SystemExit("rank %d: %s differs between %s and %s" % (
                     rank, name, ctxs[0], c))
-    write_results(rank, num_workers, kv, weights, step_seconds, {
-        "update_on_kvstore": trainer._update_on_kvstore, "lr_mult_param":
-        first_weight if LR_MULT else None, "kv_object": KV_OBJECT})
+    extra = {"update_on_kvstore": trainer._update_on_kvstore, "lr_mult_param":
+             first_weight if LR_MULT else None, "kv_object": KV_OBJECT,
+             "simulated_workers": SIMULATE}
+    for r in (range(SIMULATE) if SIMULATE else [rank]):
+        write_results(r, SIMULATE or num_workers, kv, weights, step_seconds, extra)
 
 
 class _RankedIter(mx.io.DataIter):
