@@ -81,6 +81,8 @@ for _w, _s in ((2, 2), (3, 2)):
 CASES += [
     ("sgd-2x2-2devices", 2, 2, dict(devices=2), dict(devices=2)),
     ("sgd-2x2-kvstore_object", 2, 2, dict(), dict(kv_object=True)),
+    # the pure-Python twins of the Cython hot paths (engine bridge, accumulation), end to end
+    ("sgd-2x2-pure_python", 2, 2, dict(), dict(MXPS_PURE_PYTHON=1)),
     ("mlp_big-2x2-split", 2, 2, dict(model="mlp_big", **BIG_BOUND),
      dict(model="mlp_big", **BIG_BOUND)),
     ("module-2x2", 2, 2, dict(api="module"), dict(api="module")),
