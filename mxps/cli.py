@@ -7,6 +7,12 @@ inside a private network namespace (mxps.emunet): the local launcher gives every
 machine's external address as DMLC_PS_ROOT_URI; inside the namespace that address is the
 namespace's own 198.18.0.0/15 address, so the job's traffic never leaves the namespace.  Needs
 root (network namespaces).
+
+    mxps bench --quick
+    mxps bench --scenario static            # 4 workers x 4 servers, resnet18_v1
+    mxps bench --network loopback -n 2 -s 2
+
+runs native dist_sync and mxps side by side on an emulated heterogeneous network (mxps.bench).
 """
 import argparse
 import importlib.util
@@ -60,9 +66,15 @@ def main(argv=None):
     la.add_argument("-n", "--num-workers", type=int, default=2)
     la.add_argument("-s", "--num-servers", type=int, default=2)
     la.add_argument("command", nargs=argparse.REMAINDER)
+    be = sub.add_parser("bench", help="native dist_sync vs mxps on an emulated heterogeneous "
+                        "network (or loopback)")
+    from . import bench
+    bench.add_arguments(be)
     args = p.parse_args(argv)
     if args.cmd == "launch":
         return cmd_launch(args)
+    if args.cmd == "bench":
+        return bench.main(args)
     return 2
 
 

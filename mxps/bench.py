@@ -1,0 +1,752 @@
+"""``mxps bench``: native dist_sync and mxps side by side on an emulated heterogeneous network.
+
+One invocation builds one ``emunet.Topology`` (namespaces ``sched``, ``s0..``, ``w0..``; every
+server and worker link shaped both ways with tbf at ``--rate`` Mbit/s; the scheduler's link,
+which carries only control traffic, unshaped) and runs every system in turn on it with the same
+model, data and seeds (``examples/bench_job.py``, one process per node, ``mxps.jobs``).
+
+Scenarios (applied as soon as the scheduler has ranked the servers, i.e. before the first step):
+
+- ``homogeneous``: every link at R.
+- ``static``: server *rank* ``--slow-rank`` at R/k (k = ``--slow-factor``).
+- ``dynamic``: the slow link moves to the next server rank every ``--period`` seconds.
+- ``--schedule FILE``: a JSON list of ``[t, {node: rate}]`` (t seconds from that moment; node a
+  topology name such as ``s1``/``w0`` or ``rank:N`` for server rank N; rate Mbit/s, a
+  ``[up, down]`` pair, or null for unshaped).
+
+Which server has which rank is read from the job, never assumed from start order: native ps-lite
+(``PS_VERBOSE=1``) logs ``assign rank=<id> to node role=server, ip=...`` on its scheduler (server
+rank = (id - 8) / 2), mxps's scheduler (``MXPS_LOG_LEVEL=INFO``) logs the servers in rank order.
+Both order servers by address; the mapping is reported per system.
+
+The bandwidth-optimal bound per step is ``compute + max(W*M / sum of server rates, M / worker
+rate)``, M the model's bytes: with full-duplex links each direction (push, pull) carries W*M over
+the servers' links and M over each worker's link, and no placement can do better than spreading
+that in proportion to server rates.  ``compute`` is measured in the same jobs: before the
+rendezvous, every worker times ``--compute-steps`` steps of a private copy of the model with no
+kvstore (same data, optimizer, and the same W processes competing for the CPU); the median over
+workers and systems is used.
+
+Outputs in ``--out-dir``: ``bench.json`` (every raw step time, the rates applied, tc counters per
+server before/after and sampled during each run, the predicted bytes per server under MXNet's
+placement, CPU per process), ``step_times.png`` and ``bytes_per_server.png``.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+from . import jobs
+
+BENCH_JOB = os.path.join(jobs.REPO_ROOT, "examples", "bench_job.py")
+MODELS = ("resnet18_v1", "alexnet", "vgg11", "mlp")
+SCENARIOS = ("homogeneous", "static", "dynamic")
+QDISC_SAMPLE_SECONDS = 0.5
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run as asked (the message says why and what to change)."""
+
+
+# --------------------------------------------------------------------------- systems
+
+def _adaptive_available() -> Optional[str]:
+    """None if mxps has the adaptive placement (MXPS_PLAN=adaptive), else why not."""
+    try:
+        from . import config
+        cfg = config.from_env({"MXPS_PLAN": "adaptive", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                               "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "1",
+                               "DMLC_NUM_SERVER": "1"})
+    except Exception as exc:   # noqa: BLE001  (any refusal means: not available)
+        return "mxps refuses MXPS_PLAN=adaptive: %s" % exc
+    if getattr(cfg, "plan", None) != "adaptive":
+        return "mxps has no adaptive placement yet (no MXPS_PLAN setting; issue #4)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One system under test: the kvstore name the job uses and the env it adds."""
+    name: str
+    kvstore: str
+    env: Dict[str, str]
+    description: str
+    unavailable: Callable[[], Optional[str]] = lambda: None   # None, or the reason
+
+
+#: Data-driven: a new placement only adds an entry here.
+SYSTEMS = [
+    System("native", "dist_sync", {}, "MXNet dist_sync (ps-lite), MXNet's placement"),
+    System("mxps-default", "mxps", {}, "mxps with MXNet's placement rule"),
+    System("mxps-adaptive", "mxps", {"MXPS_PLAN": "adaptive"},
+           "mxps with bandwidth-aware placement (issue #4)", _adaptive_available),
+]
+
+
+def system_by_name(name: str) -> System:
+    for s in SYSTEMS:
+        if s.name == name:
+            return s
+    raise BenchError("unknown system %r; known: %s" % (name, ", ".join(s.name for s in SYSTEMS)))
+
+
+# --------------------------------------------------------------------------- rank discovery
+
+_NATIVE_ASSIGN = re.compile(r"assign rank=(\d+) to node role=server, ip=([0-9.]+), port=(\d+)")
+_MXPS_STARTED = re.compile(r"job started: \d+ servers \[([^\]]*)\]")
+
+
+def server_ranks_from_logs(kvstore: str, sched_log: str) -> Optional[List[str]]:
+    """Server addresses ``host:port`` in rank order, from the scheduler's log, or None."""
+    if kvstore.startswith("dist"):
+        found = {}
+        for m in _NATIVE_ASSIGN.finditer(sched_log):
+            found[(int(m.group(1)) - 8) // 2] = "%s:%s" % (m.group(2), m.group(3))
+        if not found or sorted(found) != list(range(len(found))):
+            return None
+        return [found[i] for i in range(len(found))]
+    m = _MXPS_STARTED.search(sched_log)
+    if not m:
+        return None
+    return re.findall(r"'([^']+)'", m.group(1))
+
+
+# --------------------------------------------------------------------------- placement maths
+
+def predicted_elements(param_sizes, num_servers, bigarray_bound=1000 * 1000):
+    """Elements per server rank under MXNet's placement (keys = parameter indices)."""
+    from .plan import mxnet_default_rule
+    out = [0] * num_servers
+    for key, size in enumerate(param_sizes):
+        for s in mxnet_default_rule(key, size, num_servers, bigarray_bound):
+            out[s.server] += s.length
+    return out
+
+
+def bound_seconds(compute_s, model_bytes, num_workers, server_mbit, worker_mbit, directions=1):
+    """compute + directions * max(W*M / sum(server rates), M / slowest worker rate).
+
+    ``directions=1``: push and pull overlap perfectly on full-duplex links (the strict lower
+    bound); ``directions=2``: push, then pull (what a step costs when one key dominates, since a
+    key's pull waits for every push of it).  Rates in Mbit/s."""
+    bps = lambda mbit: mbit * 1e6 / 8.0   # noqa: E731
+    comm = max(num_workers * model_bytes / sum(bps(r) for r in server_mbit),
+               model_bytes / bps(min(worker_mbit)))
+    return compute_s + directions * comm
+
+
+def _percentile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# --------------------------------------------------------------------------- one system run
+
+class _Run:
+    """Follows one system's job: progress, rank discovery, scenario, tc counter samples."""
+
+    def __init__(self, bench, system):
+        self.b = bench
+        self.system = system
+        self.ranks = None              # server addresses in rank order
+        self.rank_nodes = None         # node name per server rank
+        self.rank_source = None
+        self.scenario_applied_at = None
+        self.schedule = None
+        self.rate_log = []             # (wall, node, up, down)
+        self.param_sizes = None
+        self.samples = []              # (wall, {node: {'up': bytes, 'down': bytes}})
+        self._next_sample = 0.0
+        self._seen_steps = 0
+        self._out_pos = 0
+
+    def on_poll(self, job):
+        b = self.b
+        now = time.time()
+        if self.param_sizes is None or b.pbar is not None:
+            self._follow_worker(job)
+        if self.ranks is None:
+            sched = job.node("sched")
+            self.ranks = server_ranks_from_logs(self.system.kvstore, sched.read("err"))
+            if self.ranks is not None:
+                self.rank_source = "scheduler log"
+                self._map_nodes()
+                if b.topo is not None:
+                    self._apply_scenario()
+        if b.topo is not None and now >= self._next_sample:
+            self.samples.append((now, b.server_counters()))
+            self._next_sample = now + QDISC_SAMPLE_SECONDS
+
+    def _follow_worker(self, job):
+        w0 = job.node("w0")
+        try:
+            with open(w0.out_path) as f:
+                f.seek(self._out_pos)
+                chunk = f.read()
+        except OSError:
+            return
+        cut = chunk.rfind("\n") + 1
+        self._out_pos += len(chunk[:cut].encode())
+        for line in chunk[:cut].splitlines():
+            if line.startswith("BENCH_PARAMS ") and self.param_sizes is None:
+                self.param_sizes = json.loads(line.split(" ", 1)[1])
+            elif line.startswith("BENCH_STEP ") and self.b.pbar is not None:
+                self._seen_steps += 1
+                self.b.pbar.update(1)
+
+    def _map_nodes(self):
+        topo = self.b.topo
+        if topo is None:
+            self.rank_nodes = [None] * len(self.ranks)
+            return
+        by_addr = {topo.addr(n): n for n in topo.nodes}
+        self.rank_nodes = [by_addr.get(a.rsplit(":", 1)[0]) for a in self.ranks]
+
+    def node_of(self, spec):
+        if isinstance(spec, str) and spec.startswith("rank:"):
+            r = int(spec.split(":", 1)[1])
+            if not 0 <= r < len(self.rank_nodes):
+                raise BenchError("schedule names %s but there are %d servers"
+                                 % (spec, len(self.rank_nodes)))
+            return self.rank_nodes[r]
+        return spec
+
+    def _apply_scenario(self):
+        b = self.b
+        events = b.scenario_events(self)
+        self.scenario_applied_at = time.time()
+        if events:
+            self.schedule = b.topo.run_schedule(events)
+
+    def finish(self):
+        if self.schedule is not None:
+            self.schedule.stop(raise_errors=False)
+            self.rate_log = [list(e) for e in self.schedule.log]
+            if self.schedule.errors:
+                raise BenchError("rate schedule failed: %s" % self.schedule.errors[0])
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+@dataclasses.dataclass
+class Options:
+    network: str = "emunet"          # emunet | loopback
+    scenario: str = "static"
+    systems: List[str] = dataclasses.field(
+        default_factory=lambda: ["native", "mxps-default", "mxps-adaptive"])
+    num_workers: int = 4
+    num_servers: int = 4
+    model: str = "resnet18_v1"
+    mlp_hidden: int = 4096
+    batch_size: int = 16
+    image_size: int = 32
+    steps: int = 8
+    warmup: int = 2
+    compute_steps: int = 3
+    rate: float = 400.0
+    slow_factor: float = 4.0
+    slow_rank: str = "0"             # a rank, or "heaviest" (most bytes under MXNet's rule)
+    period: float = 30.0
+    schedule: Optional[list] = None
+    timeout: float = 900.0
+    out_dir: str = "mxps-bench-out"
+    netns_prefix: str = "mxps-"
+    progress: bool = True
+    plots: bool = True
+
+
+class Bench:
+    def __init__(self, opts: Options):
+        self.o = opts
+        self.topo = None
+        self.pbar = None
+        self.results = []
+
+    # ---- network ------------------------------------------------------------------------
+    def server_nodes(self):
+        return ["s%d" % i for i in range(self.o.num_servers)]
+
+    def server_counters(self):
+        out = {}
+        for n in self.server_nodes():
+            st = self.topo.qdisc_stats(n)
+            out[n] = {"up": st["up"]["bytes"], "down": st["down"]["bytes"]}
+        return out
+
+    def base_rates(self):
+        r = {n: self.o.rate for n in jobs.node_names(self.o.num_workers, self.o.num_servers)}
+        r["sched"] = None
+        return r
+
+    def reset_rates(self):
+        for n, r in self.base_rates().items():
+            self.topo.set_rate(n, r)
+
+    def scenario_events(self, run: _Run):
+        o = self.o
+        if o.schedule is not None:
+            return [(float(t), {run.node_of(n): r for n, r in ch.items()})
+                    for t, ch in o.schedule]
+        if o.scenario == "homogeneous":
+            return []
+        slow = o.rate / o.slow_factor
+        if o.scenario == "static":
+            return [(0.0, {run.rank_nodes[self.slow_rank(run)]: slow})]
+        events, i = [], 0
+        S = o.num_servers
+        while i * o.period <= o.timeout:
+            ch = {run.rank_nodes[i % S]: slow}
+            if i and S > 1:
+                ch[run.rank_nodes[(i - 1) % S]] = o.rate
+            events.append((i * o.period, ch))
+            i += 1
+        return events
+
+    def slow_rank(self, run: _Run):
+        if self.o.slow_rank != "heaviest":
+            r = int(self.o.slow_rank)
+            if not 0 <= r < self.o.num_servers:
+                raise BenchError("--slow-rank %d: the job has servers 0..%d"
+                                 % (r, self.o.num_servers - 1))
+            return r
+        if run.param_sizes is None:
+            return 0
+        el = predicted_elements(run.param_sizes, self.o.num_servers, self.bigarray_bound())
+        return max(range(len(el)), key=lambda i: el[i])
+
+    @staticmethod
+    def bigarray_bound():
+        return int(os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND", 1000 * 1000))
+
+    # ---- jobs ---------------------------------------------------------------------------
+    def job_argv(self, system):
+        o = self.o
+        return [BENCH_JOB, "--kvstore", system.kvstore, "--model", o.model,
+                "--mlp-hidden", o.mlp_hidden, "--batch-size", o.batch_size,
+                "--image-size", o.image_size, "--steps", o.steps, "--warmup", o.warmup,
+                "--compute-steps", o.compute_steps, "--progress"]
+
+    def run_system(self, system: System):
+        o = self.o
+        rec = {"name": system.name, "kvstore": system.kvstore, "env": dict(system.env),
+               "description": system.description}
+        why = system.unavailable()
+        if why:
+            rec.update(available=False, ok=False, reason=why)
+            return rec
+        rec["available"] = True
+        role_env = {"scheduler": {"PS_VERBOSE": "1", "MXPS_LOG_LEVEL": "INFO"}}
+        run = _Run(self, system)
+        log_dir = os.path.join(o.out_dir, "logs", system.name)
+        if self.topo is not None:
+            self.reset_rates()
+            before = self.server_counters()
+        job = jobs.Job(self.job_argv(system), o.num_workers, o.num_servers,
+                       env=dict(system.env), role_env=role_env, topo=self.topo,
+                       timeout=o.timeout, log_dir=log_dir, on_poll=run.on_poll)
+        try:
+            res = job.run()
+        finally:
+            run.finish()
+        after = self.server_counters() if self.topo is not None else None
+        rec.update(ok=res.ok, reason=res.reason, wall_seconds=res.wall_seconds,
+                   job_started_at=res.started_at, log_dir=log_dir)
+        if not res.ok:
+            rec["failure"] = res.describe()
+            return rec
+        workers = []
+        for n in res.workers:
+            lines = [ln for ln in n.read("out").splitlines() if ln.startswith("{")]
+            if not lines:
+                rec.update(ok=False, reason="%s wrote no result line" % n.name)
+                return rec
+            d = json.loads(lines[-1])
+            d["node"] = n.name
+            workers.append(d)
+        rec["workers"] = workers
+        rec["server_ranks"] = [{"rank": i, "addr": a, "node": nd} for i, (a, nd) in
+                               enumerate(zip(run.ranks or [], run.rank_nodes or []))]
+        rec["rank_source"] = run.rank_source or "not found in the scheduler log"
+        rec["scenario_applied_at"] = run.scenario_applied_at
+        rec["rate_log"] = run.rate_log
+        self._step_stats(rec, workers)
+        self._cpu_stats(rec, res, workers)
+        if self.topo is not None:
+            rec["qdisc_before"], rec["qdisc_after"] = before, after
+            rec["qdisc_samples"] = [[t, c] for t, c in run.samples]
+            self._byte_stats(rec, workers, run, before, after)
+        return rec
+
+    def _step_stats(self, rec, workers):
+        steps = [t for w in workers for t in w["step_seconds"]]
+        rec["median_s"] = statistics.median(steps)
+        rec["p90_s"] = _percentile(steps, 0.9)
+        rec["window"] = [min(w["step_start_abs"][0] for w in workers),
+                         max(w["step_end_abs"][-1] for w in workers)]
+        rec["compute_seconds"] = [t for w in workers for t in w.get("compute_seconds", [])]
+
+    def _cpu_stats(self, rec, res, workers):
+        t0, t1 = rec["window"]
+        cpu = {}
+        total = 0.0
+        for n in res.nodes:
+            s = n.cpu_seconds_between(t0, t1)
+            life = n.cpu[-1][1] if n.cpu else None
+            cpu[n.name] = {"role": n.role, "pid": n.pid, "cpu_seconds_window": s,
+                           "cpu_share_window": None if s is None else s / (t1 - t0),
+                           "cpu_seconds_total": life}
+            total += s or 0.0
+        rec["cpu"] = cpu
+        rec["cpu_window_seconds"] = t1 - t0
+        rec["cpu_machine_share"] = total / (t1 - t0) / (os.cpu_count() or 1)
+
+    def _byte_stats(self, rec, workers, run, before, after):
+        o = self.o
+        sizes = workers[0]["param_sizes"]
+        el = predicted_elements(sizes, o.num_servers, self.bigarray_bound())
+        nsteps = o.steps
+        samples = run.samples + [(time.time(), after)]
+        t0, t1 = rec["window"]
+        per_rank = []
+        for r, node in enumerate(run.rank_nodes or []):
+            if node is None:
+                continue
+            ups = [(t, c[node]["up"]) for t, c in samples]
+            downs = [(t, c[node]["down"]) for t, c in samples]
+            pred = 4 * o.num_workers * el[r]
+            per_rank.append({
+                "rank": r, "node": node,
+                "in_total": after[node]["down"] - before[node]["down"],
+                "out_total": after[node]["up"] - before[node]["up"],
+                "in_per_step": (jobs.interpolate(downs, t1) - jobs.interpolate(downs, t0))
+                / nsteps,
+                "out_per_step": (jobs.interpolate(ups, t1) - jobs.interpolate(ups, t0)) / nsteps,
+                "predicted_per_step": pred,
+                # init: rank 0 pushes every key once, every worker pulls it once
+                "predicted_in_total": 4 * el[r] * (1 + o.num_workers * (o.warmup + o.steps)),
+                "predicted_out_total": 4 * el[r] * o.num_workers * (1 + o.warmup + o.steps),
+                "predicted_elements": el[r]})
+        rec["bytes_per_server"] = per_rank
+
+    # ---- whole run ----------------------------------------------------------------------
+    def run(self):
+        from . import emunet
+        o = self.o
+        systems = [system_by_name(n) for n in o.systems]
+        os.makedirs(o.out_dir, exist_ok=True)
+        if o.network == "emunet":
+            emunet.check_prerequisites()
+            emunet.cleanup_stale(o.netns_prefix)
+        if o.progress:
+            from tqdm import tqdm
+            n_avail = sum(1 for s in systems if not s.unavailable())
+            self.pbar = tqdm(total=n_avail * (o.warmup + o.steps), unit="step",
+                             desc="mxps bench", file=sys.stderr)
+        t_start = time.time()
+        try:
+            if o.network == "emunet":
+                nodes = jobs.node_names(o.num_workers, o.num_servers)
+                with emunet.Topology(nodes, rates=self.base_rates(),
+                                     prefix=o.netns_prefix) as topo:
+                    self.topo = topo
+                    self.addresses = {n: topo.addr(n) for n in nodes}
+                    for s in systems:
+                        self._one(s)
+                    self.topo = None
+            else:
+                self.addresses = {}
+                for s in systems:
+                    self._one(s)
+        finally:
+            if self.pbar is not None:
+                self.pbar.close()
+        self.summary = self._summarise(time.time() - t_start)
+        return self.summary
+
+    def _one(self, s):
+        if self.pbar is not None:
+            self.pbar.set_postfix_str(s.name)
+        self.results.append(self.run_system(s))
+
+    def _summarise(self, wall):
+        o = self.o
+        ok = [r for r in self.results if r.get("ok")]
+        compute = [t for r in ok for t in r.get("compute_seconds", [])]
+        compute_s = statistics.median(compute) if compute else None
+        model_bytes = ok[0]["workers"][0]["bytes"] if ok else None
+        native = next((r for r in ok if r["name"] == "native"), None)
+        for r in ok:
+            r["speedup_vs_native"] = (native["median_s"] / r["median_s"]) if native else None
+            if o.network == "emunet" and compute_s is not None:
+                srv, wrk = self._average_rates(r)
+                r["bound_s"] = bound_seconds(compute_s, model_bytes, o.num_workers, srv, wrk)
+                r["bound_serial_s"] = bound_seconds(compute_s, model_bytes, o.num_workers, srv,
+                                                    wrk, directions=2)
+                r["bound_rates_mbit"] = {"servers": srv, "workers_min": min(wrk)}
+                r["bound_share"] = r["bound_s"] / r["median_s"]
+        return {
+            "version": 1, "options": dataclasses.asdict(o), "wall_seconds": wall,
+            "host": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+            "addresses": getattr(self, "addresses", {}),
+            "model": {"name": o.model, "bytes": model_bytes,
+                      "param_sizes": ok[0]["workers"][0]["param_sizes"] if ok else None},
+            "compute_seconds_median": compute_s,
+            "bound_formula": "compute + max(W*M/sum(server rates), M/min(worker rate)) (push and "
+                             "pull overlapped; bound_serial_s: x2 for push then pull), rates "
+                             "time-averaged over each system's timed window",
+            "systems": self.results}
+
+    def _average_rates(self, rec):
+        """Time-averaged server rates and worker rates (Mbit/s, one direction: the lower of
+        up/down) over the timed window, from the base rates and the applied rate log."""
+        o = self.o
+        t0, t1 = rec["window"]
+        base = {n: o.rate for n in jobs.node_names(o.num_workers, o.num_servers) if n != "sched"}
+        changes = sorted(rec.get("rate_log", []))
+        pts = 200
+        acc = {n: 0.0 for n in base}
+        for k in range(pts):
+            t = t0 + (t1 - t0) * (k + 0.5) / pts
+            cur = dict(base)
+            for wall, node, up, down in changes:
+                if wall <= t and node in cur:
+                    vals = [v for v in (up, down) if v is not None]
+                    cur[node] = min(vals) if vals else float("inf")
+            for n in acc:
+                acc[n] += cur[n] / pts
+        srv = [acc["s%d" % i] for i in range(o.num_servers)]
+        wrk = [acc["w%d" % i] for i in range(o.num_workers)]
+        return srv, wrk
+
+
+# --------------------------------------------------------------------------- report
+
+def format_table(summary) -> str:
+    o = summary["options"]
+    emu = o["network"] == "emunet"
+    lines = []
+    if emu:
+        sc = "--schedule" if o["schedule"] is not None else o["scenario"]
+        lines.append("scenario %s: %d workers x %d servers, %s, links %g Mbit/s%s"
+                     % (sc, o["num_workers"], o["num_servers"], o["model"], o["rate"],
+                        "" if sc == "homogeneous" else
+                        ", slow link %g Mbit/s (R/%g)" % (o["rate"] / o["slow_factor"],
+                                                          o["slow_factor"])))
+    else:
+        lines.append("loopback (127.0.0.1, no shaping): %d workers x %d servers, %s"
+                     % (o["num_workers"], o["num_servers"], o["model"]))
+    mb = summary["model"]["bytes"]
+    if mb:
+        lines.append("model %.1f MB; compute-only step (median) %s s"
+                     % (mb / 1e6, "%.3f" % summary["compute_seconds_median"]
+                        if summary["compute_seconds_median"] is not None else "n/a"))
+    hdr = "%-14s %9s %9s %8s %8s %7s %9s" % ("system", "median s", "p90 s", "speedup",
+                                             "bound s", "share", "serial s")
+    lines.append(hdr)
+    lines.append("-" * len(hdr))
+    for r in summary["systems"]:
+        if not r.get("available", True) or not r.get("ok"):
+            lines.append("%-14s %s" % (r["name"], "not available: " + r["reason"]
+                                       if not r.get("available", True)
+                                       else "FAILED: " + r["reason"]))
+            continue
+        lines.append("%-14s %9.3f %9.3f %8s %8s %7s %9s" % (
+            r["name"], r["median_s"], r["p90_s"],
+            "%.2fx" % r["speedup_vs_native"] if r.get("speedup_vs_native") else "-",
+            "%.3f" % r["bound_s"] if r.get("bound_s") else "-",
+            "%.0f%%" % (100 * r["bound_share"]) if r.get("bound_share") else "-",
+            "%.3f" % r["bound_serial_s"] if r.get("bound_serial_s") else "-"))
+    ok = [r for r in summary["systems"] if r.get("ok")]
+    if emu and ok:
+        lines.append("")
+        lines.append("bytes per server per step, MB in (push) / out (pull); predicted = "
+                     "W x bytes under MXNet's placement")
+        for r in ok:
+            cells = []
+            for b in r.get("bytes_per_server", []):
+                slow = any(e[1] == b["node"] for e in r.get("rate_log", []))
+                cells.append("r%d=%s%s %.1f/%.1f (pred %.1f)" % (
+                    b["rank"], b["node"], "*" if slow else "", b["in_per_step"] / 1e6,
+                    b["out_per_step"] / 1e6, b["predicted_per_step"] / 1e6))
+            lines.append("  %-14s %s" % (r["name"], "  ".join(cells)))
+        lines.append("  (* = link changed by the scenario; rank->node read from %s)"
+                     % ok[0].get("rank_source"))
+    if ok:
+        lines.append("")
+        lines.append("CPU during the timed steps, %% of one core (machine: %d cores, %% of all)"
+                     % (summary["host"]["cpus"] or 0))
+        for r in ok:
+            by_role = {}
+            for name, c in r["cpu"].items():
+                if c["cpu_share_window"] is not None:
+                    by_role.setdefault(c["role"], []).append(
+                        "%s %.0f" % (name, 100 * c["cpu_share_window"]))
+            lines.append("  %-14s %s | all %.0f%%" % (
+                r["name"], " ".join(x for role in ("scheduler", "server", "worker")
+                                    for x in by_role.get(role, [])),
+                100 * r["cpu_machine_share"]))
+    return "\n".join(lines)
+
+
+def plot(summary, out_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in summary["systems"] if r.get("ok")]
+    if not ok:
+        return []
+    paths = []
+    fig, axes = plt.subplots(len(ok), 1, figsize=(9, 2.8 * len(ok)), squeeze=False)
+    for ax, r in zip(axes[:, 0], ok):
+        t_ref = r["job_started_at"]
+        for w in r["workers"]:
+            ax.plot([t - t_ref for t in w["step_end_abs"]], w["step_seconds"], ".-",
+                    label=w["node"], alpha=0.7)
+        for wall, node, up, down in r.get("rate_log", []):
+            ax.axvline(wall - t_ref, color="red", ls="--", lw=0.8)
+            ax.annotate("%s %s" % (node, "%g" % up if up else "unshaped"),
+                        (wall - t_ref, ax.get_ylim()[1]), fontsize=7, color="red",
+                        rotation=90, va="top")
+        if r.get("bound_s"):
+            ax.axhline(r["bound_s"], color="gray", ls=":", label="bound")
+        ax.set_title("%s: step time over wall time" % r["name"], fontsize=9)
+        ax.set_xlabel("seconds since job start")
+        ax.set_ylabel("s/step")
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    p = os.path.join(out_dir, "step_times.png")
+    fig.savefig(p, dpi=90)
+    plt.close(fig)
+    paths.append(p)
+    have_bytes = [r for r in ok if r.get("qdisc_samples")]
+    if have_bytes:
+        fig, axes = plt.subplots(len(have_bytes), 1, figsize=(9, 2.8 * len(have_bytes)),
+                                 squeeze=False)
+        for ax, r in zip(axes[:, 0], have_bytes):
+            w0 = r["workers"][0]
+            bounds = [w0["step_start_abs"][0]] + w0["step_end_abs"]
+            for b in r["bytes_per_server"]:
+                pts = [(t, c[b["node"]]["down"]) for t, c in r["qdisc_samples"]] + \
+                      [(r["window"][1] + 60, r["qdisc_after"][b["node"]]["down"])]
+                vals = [jobs.interpolate(pts, t) for t in bounds]
+                per = [(vals[i + 1] - vals[i]) / 1e6 for i in range(len(vals) - 1)]
+                ax.plot(range(1, len(per) + 1), per, "o-",
+                        label="rank %d (%s)" % (b["rank"], b["node"]))
+                ax.axhline(b["predicted_per_step"] / 1e6, ls=":", lw=0.8,
+                           color=ax.lines[-1].get_color())
+            ax.set_title("%s: bytes into each server per step (dotted: MXNet placement "
+                         "prediction)" % r["name"], fontsize=9)
+            ax.set_xlabel("timed step (worker 0)")
+            ax.set_ylabel("MB")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "bytes_per_server.png")
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+# --------------------------------------------------------------------------- command line
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--network", choices=("emunet", "loopback"), default="emunet",
+                   help="emunet: namespaces with shaped links (root); loopback: 127.0.0.1, "
+                        "no shaping")
+    p.add_argument("--scenario", choices=SCENARIOS, default="static")
+    p.add_argument("--schedule", metavar="FILE",
+                   help="JSON [[t, {node|rank:N: Mbit/s}], ...]; replaces the scenario")
+    p.add_argument("--systems", default="native,mxps-default,mxps-adaptive",
+                   help="comma-separated, from: %s" % ", ".join(s.name for s in SYSTEMS))
+    p.add_argument("-n", "--num-workers", type=int, default=4)
+    p.add_argument("-s", "--num-servers", type=int, default=4)
+    p.add_argument("--model", choices=MODELS, default="resnet18_v1")
+    p.add_argument("--mlp-hidden", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per system")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compute-steps", type=int, default=3,
+                   help="compute-only steps per worker (for the bound)")
+    p.add_argument("--rate", type=float, default=400.0, help="link rate R, Mbit/s")
+    p.add_argument("--slow-factor", type=float, default=4.0, help="k: the slow link is R/k")
+    p.add_argument("--slow-rank", default="0", help="server rank made slow (static), or "
+                   "'heaviest' (most bytes under MXNet's placement)")
+    p.add_argument("--period", type=float, default=30.0,
+                   help="dynamic: seconds before the slow link moves to the next server")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per system")
+    p.add_argument("--out-dir", default="mxps-bench-out")
+    p.add_argument("--netns-prefix", default="mxps-", help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="2 workers x 2 servers, static, a small MLP, few steps (< 3 min)")
+
+
+def options_from_args(a) -> Options:
+    o = Options(network=a.network, scenario=a.scenario,
+                systems=[s.strip() for s in a.systems.split(",") if s.strip()],
+                num_workers=a.num_workers, num_servers=a.num_servers, model=a.model,
+                mlp_hidden=a.mlp_hidden, batch_size=a.batch_size, image_size=a.image_size,
+                steps=a.steps, warmup=a.warmup, compute_steps=a.compute_steps, rate=a.rate,
+                slow_factor=a.slow_factor, slow_rank=a.slow_rank, period=a.period,
+                timeout=a.timeout, out_dir=a.out_dir, netns_prefix=a.netns_prefix,
+                progress=not a.no_progress, plots=not a.no_plots)
+    if a.quick:
+        # quick values replace the defaults only: explicit options still win
+        quick = dict(num_workers=2, num_servers=2, scenario="static", model="mlp",
+                     mlp_hidden=512, steps=8, warmup=2, compute_steps=2, timeout=120.0)
+        default = Options()
+        for k, v in quick.items():
+            if getattr(o, k) == getattr(default, k):
+                setattr(o, k, v)
+    if a.schedule:
+        try:
+            with open(a.schedule) as f:
+                o.schedule = json.load(f)
+            assert isinstance(o.schedule, list)
+            for t, ch in o.schedule:
+                assert isinstance(ch, dict)
+        except (OSError, ValueError, AssertionError, TypeError) as exc:
+            raise BenchError("--schedule %s: expected a JSON list of [t, {node: Mbit/s}] "
+                             "(%s)" % (a.schedule, exc)) from None
+    for s in o.systems:
+        system_by_name(s)
+    if o.num_workers < 1 or o.num_servers < 1 or o.steps < 1:
+        raise BenchError("need at least 1 worker, 1 server and 1 step")
+    if o.rate <= 0 or o.slow_factor <= 0:
+        raise BenchError("--rate and --slow-factor must be positive")
+    return o
+
+
+def main(a) -> int:
+    from . import emunet
+    try:
+        opts = options_from_args(a)
+        bench = Bench(opts)
+        summary = bench.run()
+    except (BenchError, emunet.EmunetError, jobs.JobError) as exc:
+        sys.stderr.write("mxps bench: %s\n" % exc)
+        return 2
+    path = os.path.join(opts.out_dir, "bench.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    plots = plot(summary, opts.out_dir) if opts.plots else []
+    print(format_table(summary))
+    print("\nraw data: %s%s" % (path, "".join("\nplot: " + p for p in plots)))
+    for r in summary["systems"]:
+        if r.get("available", True) and not r.get("ok"):
+            sys.stderr.write("\n%s failed: %s\n%s\n" % (r["name"], r["reason"],
+                                                        r.get("failure", "")))
+    failed = [r for r in summary["systems"] if r.get("available", True) and not r.get("ok")]
+    return 1 if failed else 0

@@ -1,0 +1,179 @@
+"""``mxps bench``: the harness runs native and mxps on an emulated network and cleans up.
+
+One 2-worker x 2-server ``static`` run (a small MLP, few steps) of native dist_sync and
+mxps-default is shared by the tests that read its JSON; another run is SIGKILLed mid-way to show
+that nothing survives ``emunet.cleanup_stale``.  Needs root (network namespaces).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mxps import bench, emunet
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = "mxpsbt-"        # namespaces of these tests only
+SMALL = ["--quick", "--steps", "4", "--warmup", "1", "--compute-steps", "1", "--rate", "200",
+         "--no-plots", "--no-progress", "--netns-prefix", PREFIX]
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    return env
+
+
+def _bench_cmd(out_dir, *extra):
+    return [sys.executable, "-m", "mxps.cli", "bench", "--out-dir", str(out_dir)] + SMALL + \
+        list(extra)
+
+
+def _our_namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [ln.split()[0] for ln in out.splitlines() if ln.startswith(PREFIX)]
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_static")
+    t0 = time.monotonic()
+    p = subprocess.run(_bench_cmd(out, "--systems", "native,mxps-default,mxps-adaptive"),
+                       capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    wall = time.monotonic() - t0
+    assert p.returncode == 0, "bench failed (rc %s):\n%s\n%s" % (p.returncode, p.stdout,
+                                                               p.stderr[-4000:])
+    with open(out / "bench.json") as f:
+        summary = json.load(f)
+    return {"summary": summary, "stdout": p.stdout, "wall": wall, "out": out}
+
+
+# --------------------------------------------------------------------------- pure functions
+
+def test_server_ranks_are_read_from_native_and_mxps_scheduler_logs():
+    native = ("[x] van.cc:70: assign rank=9 to node role=worker, ip=198.18.0.4, port=1, x\n"
+              "[x] van.cc:70: assign rank=10 to node role=server, ip=198.18.0.2, port=5, x\n"
+              "[x] van.cc:70: assign rank=8 to node role=server, ip=198.18.0.3, port=7, x\n")
+    assert bench.server_ranks_from_logs("dist_sync", native) == ["198.18.0.3:7", "198.18.0.2:5"]
+    mx = "INFO job started: 2 servers ['198.18.0.2:40', '198.18.0.3:41'], 2 workers\n"
+    assert bench.server_ranks_from_logs("mxps", mx) == ["198.18.0.2:40", "198.18.0.3:41"]
+    assert bench.server_ranks_from_logs("mxps", "nothing yet") is None
+
+
+def test_predicted_elements_follow_mxnets_rule_over_sorted_keys():
+    # key 0 is big (split), keys 1 and 3 small: (key * 9973) % 2 -> server 1 for odd keys
+    assert bench.predicted_elements([2_000_000, 10, 20, 30], 2) == [1_000_000 + 20,
+                                                                    1_000_000 + 10 + 30]
+
+
+def test_bound_is_compute_plus_the_slower_of_server_and_worker_links():
+    m = 1e6    # bytes; 8 Mbit
+    assert bench.bound_seconds(0.5, m, 2, [8.0, 8.0], [8.0, 8.0]) == pytest.approx(1.5)
+    assert bench.bound_seconds(0.0, m, 4, [8.0, 8.0], [80.0] * 4) == pytest.approx(2.0)
+    assert bench.bound_seconds(0.0, m, 1, [80.0], [8.0], directions=2) == pytest.approx(2.0)
+
+
+def test_unknown_system_is_refused_with_the_known_names():
+    with pytest.raises(bench.BenchError, match="native"):
+        bench.system_by_name("nope")
+
+
+# --------------------------------------------------------------------------- real runs
+
+@needs_root
+def test_static_run_of_both_systems_completes_and_its_json_has_every_field(static_run):
+    s = static_run["summary"]
+    for key in ("options", "model", "compute_seconds_median", "systems", "addresses",
+                "bound_formula", "host"):
+        assert key in s, key
+    by = {r["name"]: r for r in s["systems"]}
+    assert by["mxps-adaptive"]["available"] is False and by["mxps-adaptive"]["reason"]
+    for name in ("native", "mxps-default"):
+        r = by[name]
+        assert r["ok"], r.get("failure")
+        for key in ("median_s", "p90_s", "speedup_vs_native", "bound_s", "bound_share",
+                    "rate_log", "qdisc_before", "qdisc_after", "qdisc_samples",
+                    "bytes_per_server", "cpu", "server_ranks", "workers", "window"):
+            assert key in r, (name, key)
+        assert len(r["workers"]) == 2
+        assert all(len(w["step_seconds"]) == 4 for w in r["workers"])
+        assert r["rank_source"] == "scheduler log"
+        assert sorted(x["node"] for x in r["server_ranks"]) == ["s0", "s1"]
+        # the static scenario slowed exactly the node holding server rank 0
+        assert [e[1] for e in r["rate_log"]] == [r["server_ranks"][0]["node"]]
+        assert r["rate_log"][0][2] == 50.0
+        assert {"s0", "s1", "w0", "w1", "sched"} <= set(r["cpu"])
+        assert all(c["cpu_seconds_window"] is not None for c in r["cpu"].values())
+    assert "native" in static_run["stdout"] and "mxps-default" in static_run["stdout"]
+    assert "not available" in static_run["stdout"]
+
+
+@needs_root
+def test_mxps_default_moves_the_bytes_mxnets_placement_predicts(static_run):
+    """Measured tc bytes per server (whole job: init + every step) within 10% of
+    MXNet's rule over the model's parameter sizes and the real rank->server mapping."""
+    for r in static_run["summary"]["systems"]:
+        if r["name"] not in ("native", "mxps-default"):
+            continue
+        for b in r["bytes_per_server"]:
+            for d in ("in", "out"):
+                got, want = b["%s_total" % d], b["predicted_%s_total" % d]
+                assert want * 0.98 <= got <= want * 1.10, (r["name"], b["rank"], d, got, want)
+
+
+@needs_root
+def test_a_finished_run_leaves_no_namespace_or_process(static_run):
+    assert _our_namespaces() == []
+    for r in static_run["summary"]["systems"]:
+        for c in r.get("cpu", {}).values():
+            assert not _alive(c["pid"]), c
+
+
+@needs_root
+def test_a_killed_bench_leaves_nothing_after_cleanup_stale(tmp_path):
+    p = subprocess.Popen(_bench_cmd(tmp_path, "--systems", "native"), env=_env(), cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    err = tmp_path / "logs" / "native" / "w1.err"
+    deadline = time.monotonic() + 90
+    while not err.exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert err.exists(), "the bench never started its job"
+    time.sleep(2)
+    spaces = _our_namespaces()
+    pids = []
+    for ns in spaces:
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        pids += [int(x) for x in out.split()]
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    assert spaces and pids, "expected a live topology with job processes before the kill"
+    removed = emunet.cleanup_stale(PREFIX)
+    assert set(spaces) <= set(removed)
+    assert _our_namespaces() == []
+    time.sleep(0.5)
+    assert [q for q in pids if _alive(q)] == []
+
+
+def test_running_without_root_says_root_is_needed(tmp_path, monkeypatch, capsys):
+    # (this machine's interpreter lives under /root, so a real unprivileged subprocess cannot
+    # even start it; the check itself reads os.geteuid)
+    from mxps import cli
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    rc = cli.main(["bench", "--out-dir", str(tmp_path / "out")] + SMALL)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "mxps bench:" in err and "needs root" in err and "uid 1000" in err
