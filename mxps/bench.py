@@ -32,6 +32,7 @@ server before/after and sampled during each run, the predicted bytes per server 
 placement, CPU per process), ``step_times.png`` and ``bytes_per_server.png``.
 """
 import argparse
+import ipaddress
 import dataclasses
 import json
 import os
@@ -180,8 +181,14 @@ class _Run:
             self.ranks = server_ranks_from_logs(self.system.kvstore, sched.read("err"))
             if self.ranks is not None:
                 self.rank_source = "scheduler log"
+                predicted = self.rank_nodes
                 self._map_nodes()
-                if b.topo is not None:
+                if predicted is not None and predicted != self.rank_nodes:
+                    raise BenchError(
+                        "%s: the scheduler gave server ranks to %s, not %s as predicted when "
+                        "the scenario's first rates were set before the start"
+                        % (self.system.name, self.rank_nodes, predicted))
+                if b.topo is not None and self.schedule is None:
                     self._apply_scenario()
         if b.topo is not None and now >= self._next_sample:
             self.samples.append((now, b.server_counters()))
@@ -203,6 +210,21 @@ class _Run:
             elif line.startswith("BENCH_STEP ") and self.b.pbar is not None:
                 self._seen_steps += 1
                 self.b.pbar.update(1)
+
+    def predict_ranks(self):
+        """Server nodes in rank order, before the job starts: mxps's scheduler ranks servers by
+        ascending address, ps-lite's (native) by descending address (seen on 1.9.1; checked
+        against the schedulers' logs once the job runs).  Setting the scenario's rates before
+        the start matters: mxps's adaptive placement measures the links at start-up."""
+        topo = self.b.topo
+        if topo is None:
+            return
+        servers = sorted((n for n in topo.nodes if n.startswith("s") and n != "sched"),
+                         key=lambda n: ipaddress.ip_address(topo.addr(n)))
+        if self.system.kvstore.startswith("dist"):
+            servers.reverse()
+        self.rank_nodes = servers
+        self._apply_scenario()
 
     def _map_nodes(self):
         topo = self.b.topo
@@ -351,6 +373,7 @@ class Bench:
         if self.topo is not None:
             self.reset_rates()
             before = self.server_counters()
+        run.predict_ranks()
         job = jobs.Job(self.job_argv(system), o.num_workers, o.num_servers,
                        env=dict(system.env), role_env=role_env, topo=self.topo,
                        timeout=o.timeout, log_dir=log_dir, on_poll=run.on_poll)

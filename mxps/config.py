@@ -15,6 +15,7 @@ class ConfigError(ValueError):
 
 ROLES = ("worker", "server", "scheduler")
 MODES = ("sync", "async")
+PLANS = ("default", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,9 @@ class Config:
     bigarray_bound: int = 1000 * 1000
     pure_python: bool = False
     log_level: str = "WARNING"
+    plan: str = "default"
+    probe_bytes: int = 4 * 1024 * 1024
+    min_slice: int = 16384
 
     @property
     def sync(self):
@@ -103,6 +107,9 @@ def from_env(env=None, mode=None):
         mode = (_get(env, "MXPS_MODE", "sync")).lower()
     if mode not in MODES:
         raise ConfigError("MXPS_MODE=%r: expected 'sync' or 'async'" % mode)
+    plan = (_get(env, "MXPS_PLAN", "default")).lower()
+    if plan not in PLANS:
+        raise ConfigError("MXPS_PLAN=%r: expected one of %s" % (plan, ", ".join(PLANS)))
     level = _get(env, "MXPS_LOG_LEVEL", "WARNING").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError("MXPS_LOG_LEVEL=%r: expected DEBUG, INFO, WARNING or ERROR" % level)
@@ -121,6 +128,9 @@ def from_env(env=None, mode=None):
         bigarray_bound=_int(env, "MXNET_KVSTORE_BIGARRAY_BOUND", 1000 * 1000, minimum=1),
         pure_python=_bool(env, "MXPS_PURE_PYTHON"),
         log_level=level,
+        plan=plan,
+        probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
+        min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)

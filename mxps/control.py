@@ -47,6 +47,7 @@ class SchedulerLink:
         self.shutdown = False
         self.abort_message = None
         self.failing = False      # this node reported its own failure: the ABORT echo is ours
+        self.bandwidth = None     # the server rates the scheduler agreed (MXPS_PLAN=adaptive)
         self.barrier_done = 0
 
     @property
@@ -102,6 +103,8 @@ class SchedulerLink:
             self.shutdown = True
         elif header.type == MsgType.ACK and header.key == -2:   # barrier release
             self.barrier_done = max(self.barrier_done, header.iteration)
+        elif header.type == MsgType.BANDWIDTH:
+            self.bandwidth = json.loads(payload.bytes)
         return header.type
 
     def fail(self, message, code=1):

@@ -22,7 +22,7 @@ from mxnet.kvstore import KVStoreBase
 
 from . import config, engine, wire
 from .ndview import handle_value, numpy_view
-from .plan import Plan
+from .plan import Plan, ProportionalRule, mxnet_default_rule
 from .wire import Header, MsgType
 from .worker import Client, RemoteError
 
@@ -141,7 +141,17 @@ class MXPS(KVStoreBase):
         if self._cfg.role != "worker":
             raise RuntimeError("mxps kvstore created in a %s process" % self._cfg.role)
         self._client = _client(self._cfg)
-        self._plan = Plan(self._client.num_servers, bigarray_bound=self._cfg.bigarray_bound)
+        rule = mxnet_default_rule
+        self.server_rates = None
+        if self._cfg.plan == "adaptive":
+            # bandwidth-proportional placement from a start-up probe (issue #4, first step:
+            # the plan is fixed once the keys are initialised; live re-planning comes next)
+            self.server_rates = self._client.agree_rates(self._cfg.probe_bytes)
+            rule = ProportionalRule(self.server_rates, self._cfg.min_slice)
+            log.info("worker %d: server rates (MB/s) %s", self.rank,
+                     " ".join("%.1f" % (r / 1e6) for r in self.server_rates))
+        self._plan = Plan(self._client.num_servers, bigarray_bound=self._cfg.bigarray_bound,
+                          rule=rule)
         self._keys = {}
         self._str_ids = {}
         self._ids = {}

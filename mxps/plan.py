@@ -119,3 +119,55 @@ class Plan:
             for s in slices:
                 out[s.server] += s.length
         return out
+
+
+class ProportionalRule:
+    """Bandwidth-proportional placement, decided key by key as keys are initialised.
+
+    Keys reach the kvstore one at a time (Gluon's Trainer initialises them one by one), and a
+    key's placement cannot change once its value is on the servers (until a live re-plan), so
+    the rule is online and deterministic: every worker builds it from the same rates and sees
+    the keys in the same order, so every worker computes the same plan without talking.
+
+    - A key of at least ``2 * min_slice`` elements is cut into contiguous slices, one per
+      server in rank order, sized in proportion to the servers' rates; a server whose share
+      would be under ``min_slice`` elements gets none (its share goes to the others).
+    - A smaller key goes whole to the server furthest below its share of the bytes placed so
+      far (``rate_s / sum(rates) * placed - load_s``), the lowest rank on ties.
+
+    So each server's load stays proportional to its rate within one small key, and at most
+    one slice per server per key, as the servers require.
+    """
+
+    def __init__(self, rates, min_slice=16384):
+        if not rates or any(not r > 0 for r in rates):
+            raise PlanError("server rates must all be positive, got %s" % (list(rates),))
+        total = float(sum(rates))
+        self.shares = [r / total for r in rates]
+        self.min_slice = max(1, int(min_slice))
+        self.loads = [0] * len(rates)
+
+    def __call__(self, key, size, num_servers, bigarray_bound):
+        if num_servers != len(self.shares):
+            raise PlanError("rates for %d servers, plan for %d" % (len(self.shares), num_servers))
+        if size < 2 * self.min_slice:
+            placed = sum(self.loads) + size
+            s = max(range(num_servers),
+                    key=lambda i: (self.shares[i] * placed - self.loads[i], -i))
+            self.loads[s] += size
+            return (Slice(s, 0, size),)
+        servers = list(range(num_servers))
+        while True:
+            total = sum(self.shares[i] for i in servers)
+            want = {i: size * self.shares[i] / total for i in servers}
+            small = [i for i in servers if want[i] < self.min_slice]
+            if not small or len(servers) == 1:
+                break
+            servers.remove(min(small, key=lambda i: (want[i], -i)))
+        slices, pos = [], 0
+        for n, i in enumerate(servers):
+            stop = size if n == len(servers) - 1 else pos + _c_round(want[i])
+            slices.append(Slice(i, pos, stop - pos))
+            self.loads[i] += stop - pos
+            pos = stop
+        return tuple(slices)

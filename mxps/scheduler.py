@@ -53,6 +53,7 @@ class Scheduler:
         self.nodes = {}            # ident -> _Node
         self.barrier_waiting = []  # idents
         self.barrier_count = 0
+        self.rate_reports = {}     # worker rank -> measured server rates (bytes/s)
 
     # -- helpers -----------------------------------------------------------------------------
     def _send(self, node, type_, body=None, **fields):
@@ -147,6 +148,19 @@ class Scheduler:
                 for n in self.barrier_waiting:
                     self._send(n, MsgType.ACK, key=-2, iteration=self.barrier_count)
                 self.barrier_waiting = []
+        elif h.type == MsgType.BANDWIDTH:
+            self.rate_reports[node.rank] = json.loads(payload.bytes)["rates"]
+            if len(self.rate_reports) == self.cfg.num_workers:
+                reports = list(self.rate_reports.values())
+                rates = [sum(r[s] for r in reports) / len(reports)
+                         for s in range(self.cfg.num_servers)]
+                log.info("server rates agreed (MB/s): %s",
+                         " ".join("%.1f" % (r / 1e6) for r in rates))
+                body = json.dumps({"rates": rates, "reports": self.rate_reports}).encode()
+                for n in self.nodes.values():
+                    if n.role == "worker":
+                        self._send(n, MsgType.BANDWIDTH, body)
+                self.rate_reports = {}
         elif h.type == MsgType.ABORT:
             reason = payload.bytes.decode() if payload is not None else "unknown error"
             return self._abort("%s failed: %s" % (node.describe(), reason))

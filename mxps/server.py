@@ -245,7 +245,12 @@ class Server:
         self.optimizer = blob["optimizer"]
         self._reply(ident, h, MsgType.ACK, length=0)
 
+    def _on_probe(self, ident, h, payload):
+        # echo the bytes back: the worker times both directions of its link to this server
+        self._reply(ident, h, MsgType.DATA, payload, dtype=wire.NO_DTYPE, length=0)
+
     _HANDLERS = {
+        MsgType.PROBE: _on_probe,
         MsgType.INIT: _on_init,
         MsgType.PUSH: _on_push,
         MsgType.PUSHPULL: _on_push,

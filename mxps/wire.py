@@ -61,6 +61,8 @@ class MsgType(enum.IntEnum):
     GET_STATES = 15     # worker -> server: pickled optimizer states of its slices
     SET_STATES = 16     # worker -> server: restore optimizer states
     COMMAND = 17        # worker -> server: (cmd id, body), MXNet's _send_command_to_servers
+    PROBE = 24          # worker -> server: N bytes, answered with N bytes (bandwidth probe)
+    BANDWIDTH = 25      # worker -> scheduler: JSON measured rates; scheduler -> workers: agreed
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)

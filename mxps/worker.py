@@ -9,6 +9,7 @@ to unwind to).
 """
 import collections
 import itertools
+import json
 import logging
 import os
 import sys
@@ -109,6 +110,46 @@ class Client:
         # no deadline of our own: a dead peer is reported by the scheduler's heartbeat check
         while self.link.barrier_done < seq:
             time.sleep(0.0005 if self.num_workers == 1 else 0.001)
+
+    def probe(self, nbytes, rounds=2):
+        """Measure each server's rate (bytes/s, both directions) with concurrent echoes of
+        ``nbytes``, the last of ``rounds`` (the first warms TCP up)."""
+        payload = bytes(nbytes)
+        rates = None
+        for _ in range(rounds):
+            done = [None] * self.num_servers
+            events = [threading.Event() for _ in range(self.num_servers)]
+            start = time.monotonic()
+            for s in range(self.num_servers):
+                def on_reply(h, p, s=s):
+                    done[s] = time.monotonic()
+                    events[s].set()
+                self.submit(s, Header(MsgType.PROBE, length=0), payload, on_reply)
+            for s, e in enumerate(events):
+                if not e.wait(self.cfg.timeout):
+                    raise TimeoutError("mxps worker %d: bandwidth probe of server %d (%s) got no "
+                                       "reply within %.0f s (MXPS_TIMEOUT)"
+                                       % (self.rank, s, self.server_addrs[s], self.cfg.timeout))
+            rates = [2.0 * nbytes / max(t - start, 1e-6) for t in done]
+        return rates
+
+    def agree_rates(self, nbytes):
+        """Probe every server at the same time as the other workers, and return the rates the
+        scheduler agreed from all workers' measurements (the same list on every worker)."""
+        if self.link.bandwidth is None:
+            self.barrier()
+            rates = self.probe(nbytes)
+            self._queue.append((None, Header(MsgType.BANDWIDTH, sender=self.rank),
+                                json.dumps({"rates": rates}).encode(), None))
+            self._wake()
+            deadline = time.monotonic() + self.cfg.timeout
+            while self.link.bandwidth is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("mxps worker %d: the scheduler did not agree server rates "
+                                       "within %.0f s (MXPS_TIMEOUT)" % (self.rank,
+                                                                         self.cfg.timeout))
+                time.sleep(0.005)
+        return self.link.bandwidth["rates"]
 
     def finish(self):
         """Tell the scheduler this worker is done and wait for the job's shutdown."""

@@ -101,8 +101,7 @@ def test_static_run_of_both_systems_completes_and_its_json_has_every_field(stati
                 "bound_formula", "host"):
         assert key in s, key
     by = {r["name"]: r for r in s["systems"]}
-    assert by["mxps-adaptive"]["available"] is False and by["mxps-adaptive"]["reason"]
-    for name in ("native", "mxps-default"):
+    for name in ("native", "mxps-default", "mxps-adaptive"):
         r = by[name]
         assert r["ok"], r.get("failure")
         for key in ("median_s", "p90_s", "speedup_vs_native", "bound_s", "bound_share",
@@ -119,7 +118,21 @@ def test_static_run_of_both_systems_completes_and_its_json_has_every_field(stati
         assert {"s0", "s1", "w0", "w1", "sched"} <= set(r["cpu"])
         assert all(c["cpu_seconds_window"] is not None for c in r["cpu"].values())
     assert "native" in static_run["stdout"] and "mxps-default" in static_run["stdout"]
-    assert "not available" in static_run["stdout"]
+    assert "mxps-adaptive" in static_run["stdout"]
+
+
+@needs_root
+def test_adaptive_placement_puts_fewer_bytes_on_the_slow_server(static_run):
+    by = {r["name"]: r for r in static_run["summary"]["systems"]}
+
+    def slow_server_share(r):
+        slow = r["server_ranks"][0]["node"]          # the static scenario slows rank 0
+        total = sum(b["in_total"] for b in r["bytes_per_server"])
+        return sum(b["in_total"] for b in r["bytes_per_server"] if b["node"] == slow) / total
+
+    default, adaptive = slow_server_share(by["mxps-default"]), slow_server_share(by["mxps-adaptive"])
+    # the slow link has 1/4 of the others' rate: a proportional share is 1/5 of the bytes
+    assert adaptive < 0.7 * default and adaptive < 0.3, (default, adaptive)
 
 
 @needs_root

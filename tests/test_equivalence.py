@@ -86,6 +86,9 @@ CASES += [
     ("mlp_big-2x2-split", 2, 2, dict(model="mlp_big", **BIG_BOUND),
      dict(model="mlp_big", **BIG_BOUND)),
     ("module-2x2", 2, 2, dict(api="module"), dict(api="module")),
+    # bandwidth-proportional placement (start-up probe): other slices, the same training
+    ("mlp_big-3x2-adaptive_plan", 3, 2, dict(model="mlp_big", **BIG_BOUND),
+     dict(model="mlp_big", MXPS_PLAN="adaptive", MXPS_MIN_SLICE=1024, **BIG_BOUND)),
 ]
 
 
