@@ -194,6 +194,10 @@ def run_disagree():
     kv.pull(8, out=out)                          # the same server, after the refusal
     _write_json("served_rank%d.json" % rank, {"key8": out.asnumpy().tolist()})
     if rank != 0:
+        deadline = time.monotonic() + 60         # let rank 0 record its pull first
+        while not os.path.exists(os.path.join(OUT, "served_rank0.json")) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
         # 2. the same refusal inside training (an engine op): nothing to raise into, so the
         #    worker ends the job with the server's message
         kv.push(7, mx.nd.ones((size7,)))
