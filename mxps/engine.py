@@ -1,19 +1,9 @@
 """Asynchronous engine operations: compiled ``mxps._engine`` unless MXPS_PURE_PYTHON=1."""
 import ctypes
-import os
 
-if os.environ.get("MXPS_PURE_PYTHON", "0") in ("1", "true", "yes", "on"):
-    from . import engine_py as _impl
-    IMPLEMENTATION = "python"
-else:
-    try:
-        from . import _engine as _impl
-        IMPLEMENTATION = "cython"
-    except ImportError as e:  # pragma: no cover - a broken install
-        raise ImportError(
-            "mxps's compiled extension mxps/_engine is missing (%s). Reinstall with "
-            "`pip install .` from the mxps checkout (it builds cython/engine.pyx), or set "
-            "MXPS_PURE_PYTHON=1 to use the slower pure-Python path." % e) from None
+from ._select import implementation
+
+_impl, IMPLEMENTATION = implementation("_engine", "engine_py", "engine.pyx")
 
 _bound = []
 

@@ -38,27 +38,13 @@ TRAIN_JOB = os.path.join(JOBS_DIR, "train_job.py")
 
 LOOPBACK = "127.0.0.1"
 
-# Keep CPU use sane on a 2-core machine and results reproducible: one math thread per process.
-QUIET_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "MXNET_CPU_WORKER_NTHREADS": "1",
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONDONTWRITEBYTECODE": "1",
-}
+# One math thread per process, as the package's own job runner does.
+from mxps.jobs import QUIET_ENV, free_port  # noqa: E402  (also re-exported for the tests)
 
 # After the last worker exits cleanly, servers and the scheduler get this long to exit.
 SERVER_EXIT_GRACE_SECONDS = 30.0
 POLL_SECONDS = 0.05
 STDERR_TAIL_CHARS = 3000
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that is free on ``host`` right now (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
