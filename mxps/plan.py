@@ -130,8 +130,9 @@ class ProportionalRule:
     the keys in the same order, so every worker computes the same plan without talking.
 
     - A key of at least ``2 * min_slice`` elements is cut into contiguous slices, one per
-      server in rank order, sized in proportion to the servers' rates; a server whose share
-      would be under ``min_slice`` elements gets none (its share goes to the others).
+      server in rank order, sized in proportion to what each server still lacks of its
+      rate-proportional share of all bytes placed so far; a server whose slice would be under
+      ``min_slice`` elements gets none (its part goes to the others).
     - A smaller key goes whole to the server furthest below its share of the bytes placed so
       far (``rate_s / sum(rates) * placed - load_s``), the lowest rank on ties.
 
@@ -156,10 +157,16 @@ class ProportionalRule:
                     key=lambda i: (self.shares[i] * placed - self.loads[i], -i))
             self.loads[s] += size
             return (Slice(s, 0, size),)
-        servers = list(range(num_servers))
+        # cut in proportion to what each server still needs to reach its share of everything
+        # placed so far (this key included), so earlier rounding and small keys even out
+        placed = sum(self.loads) + size
+        need = [max(0.0, self.shares[i] * placed - self.loads[i]) for i in range(num_servers)]
+        if sum(need) <= 0:
+            need = list(self.shares)
+        servers = [i for i in range(num_servers) if need[i] > 0]
         while True:
-            total = sum(self.shares[i] for i in servers)
-            want = {i: size * self.shares[i] / total for i in servers}
+            total = sum(need[i] for i in servers)
+            want = {i: size * need[i] / total for i in servers}
             small = [i for i in servers if want[i] < self.min_slice]
             if not small or len(servers) == 1:
                 break

@@ -111,34 +111,39 @@ class Client:
         while self.link.barrier_done < seq:
             time.sleep(0.0005 if self.num_workers == 1 else 0.001)
 
-    def probe(self, nbytes, rounds=2):
-        """Measure each server's rate (bytes/s, both directions) with concurrent echoes of
-        ``nbytes``, the last of ``rounds`` (the first warms TCP up)."""
+    def probe(self, nbytes, servers, rounds=2):
+        """Measure the rate (bytes/s, both directions) to each of ``servers``, echoing
+        ``nbytes`` through all of them at once; the last of ``rounds`` counts (the first warms
+        TCP up)."""
         payload = bytes(nbytes)
-        rates = None
+        rates = {}
         for _ in range(rounds):
-            done = [None] * self.num_servers
-            events = [threading.Event() for _ in range(self.num_servers)]
+            done = {}
+            events = {s: threading.Event() for s in servers}
             start = time.monotonic()
-            for s in range(self.num_servers):
+            for s in servers:
                 def on_reply(h, p, s=s):
                     done[s] = time.monotonic()
                     events[s].set()
                 self.submit(s, Header(MsgType.PROBE, length=0), payload, on_reply)
-            for s, e in enumerate(events):
+            for s, e in events.items():
                 if not e.wait(self.cfg.timeout):
                     raise TimeoutError("mxps worker %d: bandwidth probe of server %d (%s) got no "
                                        "reply within %.0f s (MXPS_TIMEOUT)"
                                        % (self.rank, s, self.server_addrs[s], self.cfg.timeout))
-            rates = [2.0 * nbytes / max(t - start, 1e-6) for t in done]
+            rates = {s: 2.0 * nbytes / max(done[s] - start, 1e-6) for s in servers}
         return rates
 
     def agree_rates(self, nbytes):
-        """Probe every server at the same time as the other workers, and return the rates the
-        scheduler agreed from all workers' measurements (the same list on every worker)."""
+        """Measure every server's rate as training loads it, and agree on them with the other
+        workers: server by server, all workers echo ``nbytes`` through it at the same time (the
+        incast of a synchronous step); the scheduler averages the workers' measurements and
+        gives every worker the same list."""
         if self.link.bandwidth is None:
-            self.barrier()
-            rates = self.probe(nbytes)
+            rates = [0.0] * self.num_servers
+            for s in range(self.num_servers):
+                self.barrier()
+                rates[s] = self.probe(nbytes, [s])[s]
             self._queue.append((None, Header(MsgType.BANDWIDTH, sender=self.rank),
                                 json.dumps({"rates": rates}).encode(), None))
             self._wake()

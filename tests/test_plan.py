@@ -212,3 +212,44 @@ def test_elements_per_server_sums_every_placed_element(sizes, num_servers, bound
 def test_plan_places_an_empty_array():
     p = Plan(4)
     check_slices(3, 0, p.slices(3, 0), 4)
+
+
+# --- ProportionalRule: the online, bandwidth-proportional placement (MXPS_PLAN=adaptive) -------
+
+from mxps.plan import ProportionalRule  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3_000_000), min_size=1, max_size=60),
+       rates=st.lists(st.floats(0.5, 20.0), min_size=1, max_size=6),
+       min_slice=st.sampled_from([1, 1024, 16384]))
+def test_proportional_rule_places_every_element_once_with_loads_near_the_rate_shares(
+        sizes, rates, min_slice):
+    plan = Plan(len(rates), rule=ProportionalRule(rates, min_slice))
+    for key, n in enumerate(sizes):
+        check_slices(key, n, plan.slices(key, n), len(rates))     # once, in order, <=1/server
+    loads = plan.elements_per_server()
+    total = sum(sizes)
+    # every server within one unsplittable unit (a whole key under 2*min_slice, or a slice
+    # boundary's min_slice) of its rate share
+    unit = max([min(n, 2 * min_slice) for n in sizes] + [0]) + len(sizes)
+    for s, load in enumerate(loads):
+        assert abs(load - total * rates[s] / sum(rates)) <= unit + 1, (s, loads, rates)
+
+
+def test_proportional_rule_gives_the_slow_server_its_share_of_resnet18_like_keys():
+    sizes = [64] * 40 + [1728, 36864, 147456, 589824, 2359296] * 4
+    rates = [1.0, 4.0, 4.0, 4.0]
+    plan = Plan(4, rule=ProportionalRule(rates, 16384))
+    for key, n in enumerate(sizes):
+        plan.slices(key, n)
+    share = plan.elements_per_server()[0] / sum(sizes)
+    assert abs(share - 1 / 13) < 0.002
+    # and the same inputs give the same plan on every worker
+    again = Plan(4, rule=ProportionalRule(rates, 16384))
+    assert all(again.slices(k, n) == plan.slices(k, n) for k, n in enumerate(sizes))
+
+
+def test_proportional_rule_refuses_non_positive_rates():
+    with pytest.raises(PlanError, match="positive"):
+        ProportionalRule([1.0, 0.0])
