@@ -57,7 +57,7 @@ class SchedulerLink:
     def register(self, host, port=0):
         """Announce this node and wait for the scheduler's WELCOME (rank, peers)."""
         body = json.dumps({"role": self.role, "host": host, "port": port,
-                           "pid": os.getpid()}).encode()
+                           "pid": os.getpid(), "mode": self.cfg.mode}).encode()
         transport.send(self.sock, Header(MsgType.REGISTER), body)
         deadline = time.monotonic() + self.cfg.start_timeout
         while True:

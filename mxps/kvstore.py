@@ -141,6 +141,10 @@ class MXPS(KVStoreBase):
         if self._cfg.role != "worker":
             raise RuntimeError("mxps kvstore created in a %s process" % self._cfg.role)
         self._client = _client(self._cfg)
+        if self._client.cfg.mode != self._cfg.mode:
+            raise RuntimeError("mxps: this process already joined the job in %s mode; a %s "
+                               "kvstore cannot join it too" % (self._client.cfg.mode,
+                                                               self._cfg.mode))
         rule = mxnet_default_rule
         self.server_rates = None
         if self._cfg.plan == "adaptive":

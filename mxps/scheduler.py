@@ -21,10 +21,15 @@ from .wire import Header, MsgType
 log = logging.getLogger("mxps.scheduler")
 
 
-class _Node:
-    __slots__ = ("ident", "role", "host", "port", "pid", "rank", "last_heard", "finished")
+class JobError(RuntimeError):
+    """The job cannot start as its nodes asked (the message says why)."""
 
-    def __init__(self, ident, role, host, port, pid):
+
+class _Node:
+    __slots__ = ("ident", "role", "host", "port", "pid", "rank", "last_heard", "finished",
+                 "mode")
+
+    def __init__(self, ident, role, host, port, pid, mode=None):
         self.ident = ident
         self.role = role
         self.host = host
@@ -33,6 +38,7 @@ class _Node:
         self.rank = -1
         self.last_heard = time.monotonic()
         self.finished = False
+        self.mode = mode
 
     def describe(self):
         return "%s %d (%s:%s, pid %s)" % (self.role, self.rank, self.host, self.port, self.pid)
@@ -95,7 +101,7 @@ class Scheduler:
                                    info["role"].upper())).encode())
                     continue
                 self.nodes[ident] = _Node(ident, info["role"], info["host"], info["port"],
-                                          info["pid"])
+                                          info["pid"], info.get("mode"))
             elif ident in self.nodes:
                 self.nodes[ident].last_heard = time.monotonic()
         servers = sorted((n for n in self.nodes.values() if n.role == "server"), key=_addr_key)
@@ -104,15 +110,24 @@ class Scheduler:
             for rank, n in enumerate(group):
                 n.rank = rank
         server_addrs = [[n.host, n.port] for n in servers]
+        # sync or async is the workers' choice (the kvstore name, e.g. mxps_async, or their
+        # MXPS_MODE); the servers follow it
+        modes = sorted({n.mode for n in workers})
+        if len(modes) != 1:
+            raise JobError("workers disagree on the mode: %s (kvstore names or MXPS_MODE "
+                               "differ between workers)" % ", ".join(
+                                   "worker %d: %s" % (n.rank, n.mode) for n in workers))
+        self.mode = modes[0]
         for n in servers + workers:
             body = json.dumps({"rank": n.rank, "role": n.role, "servers": server_addrs,
                                "num_workers": self.cfg.num_workers,
                                "num_servers": self.cfg.num_servers,
-                               "mode": self.cfg.mode}).encode()
+                               "mode": self.mode}).encode()
             self._send(n, MsgType.WELCOME, body)
             n.last_heard = time.monotonic()
         log.info("job started: %d servers %s, %d workers", len(servers),
                  ["%s:%d" % tuple(a) for a in server_addrs], len(workers))
+        log.info("mode: %s", self.mode)
 
     def _serve(self):
         poller = zmq.Poller()
@@ -186,7 +201,7 @@ class Scheduler:
         try:
             try:
                 self._rendezvous()
-            except TimeoutError as e:
+            except (TimeoutError, JobError) as e:
                 return self._abort(str(e))
             return self._serve()
         finally:

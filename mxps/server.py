@@ -11,6 +11,7 @@ already in round r+1) waits in its own accumulator instead of corrupting round r
 gets the key's own index, so Adam's per-index update counts and lr/wd multipliers behave as in
 MXNet.  A bad request gets an ERROR reply naming the key and the cause; the server keeps serving.
 """
+import dataclasses
 import logging
 import pickle
 import time
@@ -85,6 +86,7 @@ class Server:
         self.sock, self.port = transport.bind_router(host, None)
         self.link = SchedulerLink(cfg, "server")
         welcome = self.link.register(host, self.port)
+        self.cfg = dataclasses.replace(cfg, mode=welcome["mode"])   # the workers' choice
         self.rank = welcome["rank"]
         self.num_workers = welcome["num_workers"]
         self.slots = {}
