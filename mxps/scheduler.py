@@ -164,10 +164,11 @@ class Scheduler:
                     self._send(n, MsgType.ACK, key=-2, iteration=self.barrier_count)
                 self.barrier_waiting = []
         elif h.type == MsgType.BANDWIDTH:
-            self.rate_reports[node.rank] = json.loads(payload.bytes)["rates"]
+            self.rate_reports[node.rank] = json.loads(payload.bytes)
             if len(self.rate_reports) == self.cfg.num_workers:
                 reports = list(self.rate_reports.values())
-                rates = [sum(r[s] for r in reports) / len(reports)
+                # a server's rate: all bytes echoed through it over the slowest worker's time
+                rates = [sum(r["bytes"] for r in reports) / max(r["seconds"][s] for r in reports)
                          for s in range(self.cfg.num_servers)]
                 log.info("server rates agreed (MB/s): %s",
                          " ".join("%.1f" % (r / 1e6) for r in rates))

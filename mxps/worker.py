@@ -112,11 +112,11 @@ class Client:
             time.sleep(0.0005 if self.num_workers == 1 else 0.001)
 
     def probe(self, nbytes, servers, rounds=3):
-        """Measure the rate (bytes/s, both directions) to each of ``servers``, echoing
-        ``nbytes`` through all of them at once, ``rounds`` times: the first warms TCP up, the
-        best of the others counts (noise on a shared machine only ever slows a round down)."""
+        """Time echoes of ``nbytes`` through each of ``servers`` (all at once), ``rounds``
+        times: the first warms TCP up, the fastest of the others counts (noise on a shared
+        machine only ever slows a round down).  Returns {server: seconds}."""
         payload = bytes(nbytes)
-        rates = {}
+        best = {}
         for r in range(rounds):
             done = {}
             events = {s: threading.Event() for s in servers}
@@ -133,21 +133,23 @@ class Client:
                                        % (self.rank, s, self.server_addrs[s], self.cfg.timeout))
             if r:
                 for s in servers:
-                    rates[s] = max(rates.get(s, 0.0), 2.0 * nbytes / max(done[s] - start, 1e-6))
-        return rates
+                    best[s] = min(best.get(s, float("inf")), done[s] - start)
+        return best
 
     def agree_rates(self, nbytes):
         """Measure every server's rate as training loads it, and agree on them with the other
         workers: server by server, all workers echo ``nbytes`` through it at the same time (the
-        incast of a synchronous step); the scheduler averages the workers' measurements and
-        gives every worker the same list."""
+        incast of a synchronous step).  The scheduler takes each server's rate as all bytes
+        echoed through it over the slowest worker's time (single flows share a link unevenly;
+        the server's total does not), and gives every worker the same list."""
         if self.link.bandwidth is None:
-            rates = [0.0] * self.num_servers
+            seconds = [0.0] * self.num_servers
             for s in range(self.num_servers):
                 self.barrier()
-                rates[s] = self.probe(nbytes, [s])[s]
+                seconds[s] = self.probe(nbytes, [s])[s]
             self._queue.append((None, Header(MsgType.BANDWIDTH, sender=self.rank),
-                                json.dumps({"rates": rates}).encode(), None))
+                                json.dumps({"seconds": seconds, "bytes": 2 * nbytes}).encode(),
+                                None))
             self._wake()
             deadline = time.monotonic() + self.cfg.timeout
             while self.link.bandwidth is None:
