@@ -37,6 +37,7 @@ class Config:
     plan: str = "default"
     probe_bytes: int = 4 * 1024 * 1024
     min_slice: int = 16384
+    metrics: str = ""
 
     @property
     def sync(self):
@@ -131,6 +132,7 @@ def from_env(env=None, mode=None):
         plan=plan,
         probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
         min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
+        metrics=_get(env, "MXPS_METRICS", ""),
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)

@@ -21,6 +21,7 @@ import numpy as np
 from mxnet.kvstore import KVStoreBase
 
 from . import config, engine, wire
+from .metrics import StepMetrics
 from .ndview import handle_value, numpy_view
 from .plan import Plan, ProportionalRule, mxnet_default_rule
 from .wire import Header, MsgType
@@ -156,6 +157,11 @@ class MXPS(KVStoreBase):
                      " ".join("%.1f" % (r / 1e6) for r in self.server_rates))
         self._plan = Plan(self._client.num_servers, bigarray_bound=self._cfg.bigarray_bound,
                           rule=rule)
+        path = self._cfg.metrics
+        if path:
+            path = path.format(rank=self.rank) if "{rank}" in path else \
+                "%s.worker%d" % (path, self.rank)
+        self._metrics = StepMetrics(self._client, path, self._plan, self.server_rates)
         self._keys = {}
         self._str_ids = {}
         self._ids = {}
@@ -270,6 +276,8 @@ class MXPS(KVStoreBase):
         """One engine op for key k: send ``src`` slices (PUSH/PUSHPULL), fill ``dst`` (PULL)."""
         client = self._client
         it = k.pushes
+        if it:
+            self._metrics.on_round(it)
         what = "%s of key %r" % (MsgType(msg).name.lower(), k.name)
         plan_version = self._plan.version
 

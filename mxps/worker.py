@@ -69,6 +69,10 @@ class Client:
         self._finished = False
         self.bytes_sent = [0] * self.num_servers
         self.bytes_received = [0] * self.num_servers
+        # per round (the workers' push count): per server [bytes, first send, last reply],
+        # for the bandwidth estimate (mxps.metrics); the I/O thread writes, others take rounds
+        self.traffic = {}
+        self.traffic_lock = threading.Lock()
         self._thread = threading.Thread(target=self._io_loop, name="mxps-io", daemon=True)
         self._thread.start()
 
@@ -190,6 +194,25 @@ class Client:
         time.sleep(0.3)
         self._stopped.set()
 
+    def _count(self, iteration, server, nbytes, now):
+        with self.traffic_lock:
+            per = self.traffic.get(iteration)
+            if per is None:
+                per = self.traffic[iteration] = [[0, None, None] for _ in self.servers]
+            t = per[server]
+            t[0] += nbytes
+            if t[1] is None:
+                t[1] = now
+            t[2] = now
+
+    def take_traffic(self, before):
+        """Remove and return {round: per-server [bytes, first, last]} for rounds < before."""
+        with self.traffic_lock:
+            done = {r: v for r, v in self.traffic.items() if r < before}
+            for r in done:
+                del self.traffic[r]
+        return done
+
     def _check_overdue(self, now):
         # the oldest outstanding request is the first one in insertion order
         for _, sent, server, h in self._pending.values():
@@ -230,14 +253,18 @@ class Client:
                 if on_reply is not None:
                     self._pending[h.request_id] = (on_reply, time.monotonic(), server, h)
                 transport.send(self.servers[server], h, payload)
-                if payload is not None:
-                    self.bytes_sent[server] += memoryview(payload).nbytes
+                n = memoryview(payload).nbytes if payload is not None else 0
+                self.bytes_sent[server] += n
+                if h.iteration > 0:
+                    self._count(h.iteration, server, n, time.monotonic())
             for sock, i in index.items():
                 if sock in events:
                     while sock.poll(0):
                         _, h, payload = transport.recv(sock)
-                        if payload is not None:
-                            self.bytes_received[i] += len(payload)
+                        n = len(payload) if payload is not None else 0
+                        self.bytes_received[i] += n
+                        if h.iteration > 0:
+                            self._count(h.iteration, i, n, time.monotonic())
                         entry = self._pending.pop(h.request_id, None)
                         if entry is None:
                             log.warning("reply to an unknown request: %r", h)

@@ -1,0 +1,78 @@
+"""Per-step metrics of a worker, as JSON lines (MXPS_METRICS), and the bandwidth estimate.
+
+A *step* is one round of the keys (the workers' per-key push count).  For every finished round
+the worker writes one line: wall time, step seconds (between the first requests of consecutive
+rounds), the plan version, and per server: bytes moved (pushed + pulled), the busy span (first
+request sent to last reply received), the rate bytes/span, its smoothed estimate, and the share
+of the round's bytes.  A round is finished when the next-but-one starts: in synchronous training
+every operation of round r has completed before any key's round r+1 is launched (the next
+forward reads the weights round r wrote), and the extra round of slack covers update-on-workers
+and async use.
+
+The estimate: an EWMA (``alpha``) of each server's per-round rate, skipping rounds where a server
+moved too few bytes to time (under 64 KB), and clipping a round to at most 3x / at least 1/3
+of the current estimate so that one noisy round cannot swing it.
+"""
+import json
+import time
+
+MIN_BYTES = 64 * 1024
+
+
+class BandwidthEstimate:
+    def __init__(self, num_servers, alpha=0.3, initial=None):
+        self.alpha = alpha
+        self.rates = list(initial) if initial else [None] * num_servers
+
+    def update(self, rates):
+        for s, r in enumerate(rates):
+            if r is None:
+                continue
+            old = self.rates[s]
+            if old is None:
+                self.rates[s] = r
+            else:
+                r = min(max(r, old / 3.0), old * 3.0)
+                self.rates[s] = (1 - self.alpha) * old + self.alpha * r
+        return self.rates
+
+
+class StepMetrics:
+    def __init__(self, client, path, plan, initial_rates=None):
+        self.client = client
+        self.plan = plan
+        self.path = path
+        self.estimate = BandwidthEstimate(client.num_servers, initial=initial_rates)
+        self.latest = 0
+        self.first_send = {}
+        self._file = open(path, "a") if path else None
+
+    def on_round(self, iteration):
+        """Called (training thread) when an operation of ``iteration`` is launched."""
+        if iteration <= self.latest:
+            return
+        self.latest = iteration
+        self.first_send.setdefault(iteration, time.monotonic())
+        for r, per in sorted(self.client.take_traffic(iteration - 1).items()):
+            self._emit(r, per)
+
+    def _emit(self, r, per):
+        total = sum(t[0] for t in per) or 1
+        rates = []
+        servers = []
+        for s, (nbytes, first, last) in enumerate(per):
+            span = (last - first) if first is not None else 0.0
+            rate = nbytes / span if nbytes >= MIN_BYTES and span > 0 else None
+            rates.append(rate)
+            servers.append({"server": s, "bytes": nbytes, "busy_seconds": round(span, 6),
+                            "rate": rate, "share": nbytes / total})
+        est = self.estimate.update(rates)
+        for s, rec in enumerate(servers):
+            rec["rate_estimate"] = est[s]
+        start, nxt = self.first_send.pop(r, None), self.first_send.get(r + 1)
+        line = {"step": r, "wall": time.time(), "rank": self.client.rank,
+                "step_seconds": (nxt - start) if start is not None and nxt is not None else None,
+                "plan_version": self.plan.version, "migration_bytes": 0, "servers": servers}
+        if self._file is not None:
+            self._file.write(json.dumps(line) + "\n")
+            self._file.flush()
