@@ -70,11 +70,18 @@ def main(argv=None):
                         "network (or loopback)")
     from . import bench
     bench.add_arguments(be)
+    pl = sub.add_parser("plot", help="PNGs from MXPS_METRICS files")
+    pl.add_argument("metrics", nargs="+", help="the workers' metrics files")
+    pl.add_argument("--out-dir", default=".")
     args = p.parse_args(argv)
     if args.cmd == "launch":
         return cmd_launch(args)
     if args.cmd == "bench":
         return bench.main(args)
+    if args.cmd == "plot":
+        from . import plot
+        print(plot.plot(args.metrics, args.out_dir))
+        return 0
     return 2
 
 

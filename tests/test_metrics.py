@@ -48,3 +48,9 @@ def test_metrics_lines_carry_the_bytes_the_plan_places(tmp_path):
             assert all(s["rate"] is None or s["rate"] > 0 for s in x["servers"])
         assert all(x["step_seconds"] > 0 for x in lines)
         assert all(s["rate_estimate"] > 0 for s in lines[-1]["servers"])
+    # mxps plot turns them into a PNG
+    from mxps import cli
+    assert cli.main(["plot", path.format(rank=0), path.format(rank=1),
+                     "--out-dir", str(tmp_path / "plots")]) == 0
+    with open(tmp_path / "plots" / "steps.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
