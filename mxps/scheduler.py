@@ -168,7 +168,8 @@ class Scheduler:
             if len(self.rate_reports) == self.cfg.num_workers:
                 reports = list(self.rate_reports.values())
                 # a server's rate: all bytes echoed through it over the slowest worker's time
-                rates = [sum(r["bytes"] for r in reports) / max(r["seconds"][s] for r in reports)
+                rates = [sum(r["bytes"][s] for r in reports) /
+                         max(r["seconds"][s] for r in reports)
                          for s in range(self.cfg.num_servers)]
                 log.info("server rates agreed (MB/s): %s",
                          " ".join("%.1f" % (r / 1e6) for r in rates))

@@ -115,13 +115,15 @@ class Client:
         while self.link.barrier_done < seq:
             time.sleep(0.0005 if self.num_workers == 1 else 0.001)
 
-    def probe(self, nbytes, servers, rounds=3):
-        """Time echoes of ``nbytes`` through each of ``servers`` (all at once), ``rounds``
-        times: the first warms TCP up, the fastest of the others counts (noise on a shared
-        machine only ever slows a round down).  Returns {server: seconds}."""
-        payload = bytes(nbytes)
+    def probe(self, nbytes, servers, rounds=3, min_seconds=0.3, max_bytes=64 << 20):
+        """Time echoes through each of ``servers`` (all at once), ``rounds`` times: the first
+        warms TCP up, the best of the others counts (noise on a shared machine only ever slows
+        a round down).  A round shorter than ``min_seconds`` is too short to time a link: the
+        next one echoes twice as much (up to ``max_bytes``).  Returns {server: (bytes, s)}."""
         best = {}
-        for r in range(rounds):
+        r = 0
+        while r < rounds:
+            payload = bytes(nbytes)
             done = {}
             events = {s: threading.Event() for s in servers}
             start = time.monotonic()
@@ -135,9 +137,18 @@ class Client:
                     raise TimeoutError("mxps worker %d: bandwidth probe of server %d (%s) got no "
                                        "reply within %.0f s (MXPS_TIMEOUT)"
                                        % (self.rank, s, self.server_addrs[s], self.cfg.timeout))
+            took = max(done.values()) - start
+            if took < min_seconds and nbytes < max_bytes:
+                nbytes = min(2 * nbytes, max_bytes)
+                best = {}
+                r = max(r, 1)        # a longer round follows; the warm-up is done
+                continue
             if r:
                 for s in servers:
-                    best[s] = min(best.get(s, float("inf")), done[s] - start)
+                    rate = 2.0 * nbytes / max(done[s] - start, 1e-6)
+                    if s not in best or rate > best[s][0] / best[s][1]:
+                        best[s] = (2 * nbytes, done[s] - start)
+            r += 1
         return best
 
     def agree_rates(self, nbytes):
@@ -147,12 +158,12 @@ class Client:
         echoed through it over the slowest worker's time (single flows share a link unevenly;
         the server's total does not), and gives every worker the same list."""
         if self.link.bandwidth is None:
-            seconds = [0.0] * self.num_servers
+            moved, seconds = [0] * self.num_servers, [0.0] * self.num_servers
             for s in range(self.num_servers):
                 self.barrier()
-                seconds[s] = self.probe(nbytes, [s])[s]
+                moved[s], seconds[s] = self.probe(nbytes, [s])[s]
             self._queue.append((None, Header(MsgType.BANDWIDTH, sender=self.rank),
-                                json.dumps({"seconds": seconds, "bytes": 2 * nbytes}).encode(),
+                                json.dumps({"seconds": seconds, "bytes": moved}).encode(),
                                 None))
             self._wake()
             deadline = time.monotonic() + self.cfg.timeout

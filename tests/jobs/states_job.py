@@ -42,6 +42,7 @@ for step in range(start, stop):
     loss.backward()
     trainer.step(4)
 mx.nd.waitall()
+kv.barrier()                 # every worker's pushes are in (matters for async)
 os.makedirs(out, exist_ok=True)
 if kv.rank == 0:
     net.save_parameters(os.path.join(out, "params.params"))
