@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from . import transport, wire
+from . import transport
 from .wire import Header, MsgType
 
 log = logging.getLogger("mxps")
@@ -117,11 +117,6 @@ class SchedulerLink:
         finally:
             fatal(self.name, message, code)
 
-    def drain(self):
-        while self.sock.poll(0):
-            _, h, p = transport.recv(self.sock)
-            self.handle(h, p)
-
     def close(self):
         self.sock.close(linger=500)
 
@@ -135,4 +130,4 @@ def poll_forever(poller, timeout_ms):
         raise
 
 
-__all__ = ["SchedulerLink", "PeerLostError", "fatal", "EXIT_LOST_PEER", "poll_forever", "wire"]
+__all__ = ["SchedulerLink", "PeerLostError", "fatal", "EXIT_LOST_PEER", "poll_forever"]

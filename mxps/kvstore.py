@@ -25,7 +25,7 @@ from .metrics import StepMetrics
 from .ndview import handle_value, numpy_view
 from .plan import Plan, ProportionalRule, mxnet_default_rule
 from .wire import Header, MsgType
-from .worker import Client, RemoteError
+from .worker import Client
 
 log = logging.getLogger("mxps")
 
@@ -280,28 +280,25 @@ class MXPS(KVStoreBase):
             self._metrics.on_round(it)
         what = "%s of key %r" % (MsgType(msg).name.lower(), k.name)
         plan_version = self._plan.version
+        slices = k.slices              # the placement when the op is issued, not when it runs
 
         def run(completion):
             sview = numpy_view(src) if src is not None else None
             dview = numpy_view(dst) if dst is not None else None
-            if dview is not None:
-                def on_reply(h, payload, dview=dview):
-                    if h.type == MsgType.DATA:
-                        np.copyto(dview[h.offset:h.offset + h.length],
-                                  wire.payload_array(h, payload))
-            done = _Countdown(len(k.slices), completion, what, client.link)
-            for s in k.slices:
+            countdown = _Countdown(len(slices), completion, what, client.link)
+
+            def on_reply(h, payload):
+                if dview is not None and h.type == MsgType.DATA:
+                    np.copyto(dview[h.offset:h.offset + h.length],
+                              wire.payload_array(h, payload))
+                countdown(h, payload)
+
+            for s in slices:
                 h = Header(msg, key=k.id, iteration=it, plan_version=plan_version,
                            offset=s.offset, length=s.length,
                            dtype=k.code if sview is not None else wire.NO_DTYPE)
-                if dview is not None:
-                    def cb(h, p, s=s):
-                        on_reply(h, p)
-                        done(h, p)
-                else:
-                    cb = done
                 client.submit(s.server, h, sview[s.offset:s.stop] if sview is not None
-                              else None, cb)
+                              else None, on_reply)
 
         consts = [] if src is None or src is dst else [handle_value(src)]
         muts = [handle_value(k.seq)] + ([handle_value(dst)] if dst is not None else [])

@@ -59,7 +59,7 @@ class Scheduler:
         self.nodes = {}            # ident -> _Node
         self.barrier_waiting = []  # idents
         self.barrier_count = 0
-        self.rate_reports = {}     # worker rank -> measured server rates (bytes/s)
+        self.rate_reports = {}     # worker rank -> probe timings {bytes, seconds} per server
 
     # -- helpers -----------------------------------------------------------------------------
     def _send(self, node, type_, body=None, **fields):
@@ -173,7 +173,7 @@ class Scheduler:
                          for s in range(self.cfg.num_servers)]
                 log.info("server rates agreed (MB/s): %s",
                          " ".join("%.1f" % (r / 1e6) for r in rates))
-                body = json.dumps({"rates": rates, "reports": self.rate_reports}).encode()
+                body = json.dumps({"rates": rates}).encode()
                 for n in self.nodes.values():
                     if n.role == "worker":
                         self._send(n, MsgType.BANDWIDTH, body)

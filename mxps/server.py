@@ -23,7 +23,7 @@ from . import control, transport, wire
 from .accum import add_into, copy_into
 from .control import SchedulerLink, poll_forever
 from .ndview import numpy_view
-from .wire import Header, MsgType
+from .wire import MsgType
 
 log = logging.getLogger("mxps.server")
 

@@ -18,7 +18,7 @@ import time
 
 import zmq
 
-from . import control, transport, wire
+from . import control, transport
 from .control import SchedulerLink
 from .wire import Header, MsgType
 
@@ -50,7 +50,7 @@ class Client:
         host = cfg.node_host or transport.local_address_towards(cfg.root_uri, cfg.root_port)
         try:
             welcome = self.link.register(host)
-        except control.PeerLostError as e:
+        except control.PeerLostError:
             self.link.close()
             raise
         self.rank = welcome["rank"]
@@ -67,8 +67,6 @@ class Client:
         self._stopped = threading.Event()
         self._sleeping = True
         self._finished = False
-        self.bytes_sent = [0] * self.num_servers
-        self.bytes_received = [0] * self.num_servers
         # per round (the workers' push count): per server [bytes, first send, last reply],
         # for the bandwidth estimate (mxps.metrics); the I/O thread writes, others take rounds
         self.traffic = {}
@@ -264,17 +262,15 @@ class Client:
                 if on_reply is not None:
                     self._pending[h.request_id] = (on_reply, time.monotonic(), server, h)
                 transport.send(self.servers[server], h, payload)
-                n = memoryview(payload).nbytes if payload is not None else 0
-                self.bytes_sent[server] += n
                 if h.iteration > 0:
+                    n = memoryview(payload).nbytes if payload is not None else 0
                     self._count(h.iteration, server, n, time.monotonic())
             for sock, i in index.items():
                 if sock in events:
                     while sock.poll(0):
                         _, h, payload = transport.recv(sock)
-                        n = len(payload) if payload is not None else 0
-                        self.bytes_received[i] += n
                         if h.iteration > 0:
+                            n = len(payload) if payload is not None else 0
                             self._count(h.iteration, i, n, time.monotonic())
                         entry = self._pending.pop(h.request_id, None)
                         if entry is None:
