@@ -96,7 +96,7 @@ import bisect
 import logging
 import math
 
-from .plan import PlanError, Slice, check_slices, mxnet_default_rule
+from .plan import PlanError, ProportionalRule, Slice, check_slices, mxnet_default_rule
 
 log = logging.getLogger("mxps")
 
@@ -493,3 +493,118 @@ def should_replan(previous, proposal, bandwidths, move_cost_s_per_byte, horizon_
     gain, cost = replan_gain(previous, proposal, bandwidths, move_cost_s_per_byte, itemsize,
                              state_copies)
     return gain > 0 and gain * horizon_steps > cost
+
+
+# --- live re-planning -----------------------------------------------------------------------
+
+def split_table(keys, bandwidths, min_slice=DEFAULT_MIN_SLICE):
+    """The table ``ProportionalRule`` builds for ``keys`` (``[(key, elements), ...]`` in the
+    order the workers initialised them) with these bandwidths: every key of at least
+    ``2 * min_slice`` elements cut over the servers in proportion to what each lacks of its
+    share, smaller keys whole on the server furthest below its share.
+
+    This is the live re-planner's proposal.  Unlike ``proportional_plan`` it cuts every large
+    key over all servers rather than placing keys whole: a key's push and pull then go to
+    every server at once, so each server's traffic is spread over the whole step (the step
+    waits for no single server's queue of whole keys) and each server's measured rate reflects
+    its link rather than when its keys' gradients happen to be ready.
+    """
+    b = _check_bandwidths(bandwidths)
+    rule = ProportionalRule(b, min_slice)
+    return {key: rule(key, n, len(b), None) for key, n in keys}
+
+
+def forced_table(keys, num_servers, version, min_slice=DEFAULT_MIN_SLICE):
+    """A table that differs from the one of ``version - 1`` (for tests of live re-planning):
+    a split by pseudo-random bandwidths drawn from ``version`` (so cut points change), its
+    servers rotated so that the first element of the first non-empty key sits on server
+    ``version % num_servers`` (so with two servers or more, something moves every version)."""
+    import random
+    rng = random.Random(version)
+    table = split_table(keys, [rng.uniform(1.0, 4.0) for _ in range(num_servers)], min_slice)
+    first = next((table[k][0].server for k, n in keys if n > 0), 0)
+    shift = (version - first) % num_servers
+    return {k: tuple(Slice((s.server + shift) % num_servers, s.offset, s.length)
+                     for s in slices) for k, slices in table.items()}
+
+
+class Replanner:
+    """The scheduler's side of live re-planning: estimate each server's rate from the workers'
+    training traffic, and decide at each re-plan point whether a new table pays off.
+
+    ``observe`` takes, per worker, ``{round: per server [bytes, busy seconds]}`` (what a worker
+    moved through each server in a round, and from its first request to its last reply).  A
+    round's rate of a server is the bytes all workers moved through it over the slowest
+    worker's busy span (as the start-up probe); rounds where a server moved under 64 KB are
+    not timed.  The estimate is the median of the last ``window`` timed rounds: one noisy
+    round cannot move it, a real change shows after ``window // 2 + 1`` rounds.  Until a
+    server is timed it keeps its start-up probe rate (``rates``), or the lowest known rate.
+
+    ``decide`` proposes ``split_table`` with the estimated rates and adopts it when the
+    modelled gain per step exceeds ``min_gain`` of the current plan's makespan and, over
+    ``horizon`` steps, the time to move the state (``replan_gain``: the bytes that change
+    server, times 3 copies for weights and optimizer state, over half the slowest rate: a
+    server's rate counts both directions).
+    """
+
+    MIN_BYTES = 64 * 1024
+
+    def __init__(self, num_servers, num_workers, rates=None, window=3):
+        import collections
+        self.num_servers = num_servers
+        self.num_workers = num_workers
+        self.rates = list(rates) if rates else None
+        self.window = collections.deque(maxlen=window)
+        self.last = None        # (makespan before, after, move cost, adopted) of the last decide
+
+    def observe(self, reports):
+        per_round = {}
+        for rep in reports:
+            for r, per in rep.items():
+                per_round.setdefault(int(r), []).append(per)
+        for r in sorted(per_round):
+            per = per_round[r]
+            if len(per) != len(reports):
+                continue            # not every worker reported this round
+            rates = []
+            for s in range(self.num_servers):
+                nbytes = sum(p[s][0] for p in per)
+                span = max(p[s][1] for p in per)
+                rates.append(nbytes / span if nbytes >= self.MIN_BYTES and span > 0 else None)
+            self.window.append(rates)
+        est = list(self.rates) if self.rates else [None] * self.num_servers
+        for s in range(self.num_servers):
+            xs = sorted(w[s] for w in self.window if w[s] is not None)
+            if xs:
+                m = len(xs) // 2
+                est[s] = xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
+        known = [x for x in est if x]
+        if known:
+            self.rates = [x if x else min(known) for x in est]
+        return self.rates
+
+    def decide(self, keys, old, version, round_=0, min_slice=DEFAULT_MIN_SLICE, force=False,
+               min_gain=0.05, horizon=20):
+        """The table to switch to at this point, or None to keep ``old``.  ``keys``:
+        ``[(key, elements), ...]`` in initialisation order; ``version``: the new plan's."""
+        if force:
+            log.info("re-plan %d at round %d (forced)", version, round_)
+            return forced_table(keys, self.num_servers, version, min_slice)
+        if not self.rates or not keys:
+            return None
+        # held bytes per second: every worker pushes and pulls every byte a server holds
+        b = [r / (2.0 * self.num_workers) for r in self.rates]
+        proposal = split_table(keys, b, min_slice)
+        if proposal == {k: tuple(old[k]) for k in proposal if k in old}:
+            return None
+        try:
+            before = makespan(old, dict(keys), b)
+        except PlanError:
+            return None         # the old table does not place these keys: keep it
+        gain, cost = replan_gain(old, proposal, b, 2.0 / min(self.rates), 4, 3)
+        ok = gain > min_gain * before and gain * horizon > cost
+        self.last = (before, before - gain, cost, ok)
+        log.info("round %d: rates (MB/s) %s; makespan %.3f s -> %.3f s, moving costs %.3f s: %s",
+                 round_, " ".join("%.1f" % (r / 1e6) for r in self.rates), before,
+                 before - gain, cost, "re-plan %d" % version if ok else "keep")
+        return proposal if ok else None

@@ -38,6 +38,15 @@ class Config:
     probe_bytes: int = 4 * 1024 * 1024
     min_slice: int = 16384
     metrics: str = ""
+    replan_interval: int = 2
+    replan_force: bool = False
+    replan_min_gain: float = 0.05
+    replan_horizon: int = 20
+
+    @property
+    def replanning(self):
+        """Live re-planning runs with the adaptive plan (or when forced, for tests)."""
+        return self.replan_interval > 0 and (self.plan == "adaptive" or self.replan_force)
 
     @property
     def sync(self):
@@ -133,6 +142,10 @@ def from_env(env=None, mode=None):
         probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
         min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
         metrics=_get(env, "MXPS_METRICS", ""),
+        replan_interval=_int(env, "MXPS_REPLAN_INTERVAL", 2, minimum=0),
+        replan_force=_bool(env, "MXPS_REPLAN_FORCE"),
+        replan_min_gain=_float(env, "MXPS_REPLAN_MIN_GAIN", 0.05),
+        replan_horizon=_int(env, "MXPS_REPLAN_HORIZON", 20, minimum=1),
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)

@@ -49,6 +49,8 @@ class SchedulerLink:
         self.failing = False      # this node reported its own failure: the ABORT echo is ours
         self.bandwidth = None     # the server rates the scheduler agreed (MXPS_PLAN=adaptive)
         self.barrier_done = 0
+        self.replan = None        # the scheduler's last answer at a re-plan point
+        self.replans = 0          # how many answers so far
 
     @property
     def name(self):
@@ -105,6 +107,9 @@ class SchedulerLink:
             self.barrier_done = max(self.barrier_done, header.iteration)
         elif header.type == MsgType.BANDWIDTH:
             self.bandwidth = json.loads(payload.bytes)
+        elif header.type == MsgType.REPLAN:
+            self.replan = json.loads(payload.bytes)
+            self.replans += 1
         return header.type
 
     def fail(self, message, code=1):

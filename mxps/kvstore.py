@@ -23,6 +23,7 @@ from mxnet.kvstore import KVStoreBase
 from . import config, engine, wire
 from .metrics import StepMetrics
 from .ndview import handle_value, numpy_view
+from . import plan as plan_mod
 from .plan import Plan, ProportionalRule, mxnet_default_rule
 from .wire import Header, MsgType
 from .worker import Client
@@ -161,7 +162,14 @@ class MXPS(KVStoreBase):
         if path:
             path = path.format(rank=self.rank) if "{rank}" in path else \
                 "%s.worker%d" % (path, self.rank)
-        self._metrics = StepMetrics(self._client, path, self._plan, self.server_rates)
+        self._metrics = StepMetrics(self._client, path, self._plan.version, self.server_rates,
+                                    keep=self._cfg.replanning)
+        # live re-planning: every MXPS_REPLAN_INTERVAL rounds, before the round's first
+        # operation, this worker waits until it has nothing in flight and asks the scheduler
+        self._round = 0
+        self._next_replan = 1 + self._cfg.replan_interval if self._cfg.replanning else None
+        self._inflight = 0
+        self._idle = threading.Condition()
         self._keys = {}
         self._str_ids = {}
         self._ids = {}
@@ -285,7 +293,12 @@ class MXPS(KVStoreBase):
         def run(completion):
             sview = numpy_view(src) if src is not None else None
             dview = numpy_view(dst) if dst is not None else None
-            countdown = _Countdown(len(slices), completion, what, client.link)
+
+            def done():
+                completion()
+                self._op_done()
+
+            countdown = _Countdown(len(slices), done, what, client.link)
 
             def on_reply(h, payload):
                 if dview is not None and h.type == MsgType.DATA:
@@ -300,16 +313,59 @@ class MXPS(KVStoreBase):
                 client.submit(s.server, h, sview[s.offset:s.stop] if sview is not None
                               else None, on_reply)
 
+        with self._idle:
+            self._inflight += 1
         consts = [] if src is None or src is dst else [handle_value(src)]
         muts = [handle_value(k.seq)] + ([handle_value(dst)] if dst is not None else [])
         engine.push_async(run, consts, muts, priority, b"mxps_" + MsgType(msg).name.encode())
+
+    def _op_done(self):
+        with self._idle:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.notify_all()
+
+    # -- live re-planning (docs/REPLAN.md) ---------------------------------------------------
+    def _next_push(self, k):
+        k.pushes += 1
+        if k.pushes > self._round:
+            self._round = k.pushes
+            if self._next_replan is not None and self._round >= self._next_replan:
+                self._next_replan = self._round + self._cfg.replan_interval
+                self._replan(self._round)
+
+    def _replan(self, r):
+        """Round ``r`` is about to start: wait until this worker has nothing in flight (every
+        round before r is complete on the servers once all workers are here), report the
+        traffic of the last rounds, and install the plan the scheduler answers with, if any."""
+        with self._idle:
+            while self._inflight:
+                self._idle.wait(1.0)
+        self._metrics.flush(r)
+        report = {"round": r, "traffic": self._metrics.take_recent(),
+                  "force": self._cfg.replan_force, "min_slice": self._cfg.min_slice,
+                  "min_gain": self._cfg.replan_min_gain, "horizon": self._cfg.replan_horizon}
+        if self.rank == 0:
+            ids = [k.id for k in self._keys.values()]
+            report["keys"] = [[k.id, k.size] for k in self._keys.values()]
+            table = self._plan.table()
+            report["table"] = plan_mod.table_to_json({i: table[i] for i in ids})
+        answer = self._client.replan(report)
+        if answer.get("table") is None:
+            return
+        self._plan = self._plan.replaced(answer["version"],
+                                         plan_mod.table_from_json(answer["table"]))
+        for k in self._keys.values():
+            k.slices = self._plan.slices(k.id, k.size)
+        self._metrics.new_plan(r, self._plan.version, answer.get("moved_bytes", 0))
+        log.info("worker %d: plan %d from round %d", self.rank, self._plan.version, r)
 
     def push(self, key, value, priority=0):
         for name, vals in _group(key, value):
             k = self._meta(name, "push")
             self._check(k, vals, "push")
             grad = self._reduce(k, vals)
-            k.pushes += 1
+            self._next_push(k)
             self._launch(k, MsgType.PUSH, grad, None, priority)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
@@ -331,7 +387,7 @@ class MXPS(KVStoreBase):
             self._check(k, vals, "push")
             self._check(k, outs, "pull")
             grad = self._reduce(k, vals)
-            k.pushes += 1
+            self._next_push(k)
             self._launch(k, MsgType.PUSHPULL, grad, outs[0], priority)
             for o in outs[1:]:
                 outs[0].copyto(o)

@@ -38,14 +38,43 @@ class BandwidthEstimate:
 
 
 class StepMetrics:
-    def __init__(self, client, path, plan, initial_rates=None):
+    """``keep``: also keep each round's per-server [bytes, busy seconds] until
+    ``take_recent`` (the live re-planner's measurements)."""
+
+    def __init__(self, client, path, plan_version=0, initial_rates=None, keep=False):
         self.client = client
-        self.plan = plan
         self.path = path
         self.estimate = BandwidthEstimate(client.num_servers, initial=initial_rates)
         self.latest = 0
         self.first_send = {}
+        self.keep = keep
+        self.recent = {}
+        self.versions = [(1, plan_version)]   # (first round, plan version), in round order
+        self.migrations = {}                  # round -> bytes the servers moved before it
         self._file = open(path, "a") if path else None
+
+    def new_plan(self, first_round, version, moved_bytes):
+        """Plan ``version`` is in force from ``first_round`` on; it moved ``moved_bytes``."""
+        self.versions.append((first_round, version))
+        self.migrations[first_round] = moved_bytes
+
+    def flush(self, before):
+        """Write the lines of every round before ``before`` (all complete: call when this
+        worker has nothing in flight)."""
+        for r, per in sorted(self.client.take_traffic(before).items()):
+            self._emit(r, per)
+
+    def take_recent(self):
+        """{round: per server [bytes, busy seconds]} since the last call."""
+        out, self.recent = self.recent, {}
+        return out
+
+    def _version_at(self, r):
+        v = self.versions[0][1]
+        for first, version in self.versions:
+            if first <= r:
+                v = version
+        return v
 
     def on_round(self, iteration):
         """Called (training thread) when an operation of ``iteration`` is launched."""
@@ -66,13 +95,16 @@ class StepMetrics:
             rates.append(rate)
             servers.append({"server": s, "bytes": nbytes, "busy_seconds": round(span, 6),
                             "rate": rate, "share": nbytes / total})
+        if self.keep:
+            self.recent[r] = [[x["bytes"], x["busy_seconds"]] for x in servers]
         est = self.estimate.update(rates)
         for s, rec in enumerate(servers):
             rec["rate_estimate"] = est[s]
         start, nxt = self.first_send.pop(r, None), self.first_send.get(r + 1)
         line = {"step": r, "wall": time.time(), "rank": self.client.rank,
                 "step_seconds": (nxt - start) if start is not None and nxt is not None else None,
-                "plan_version": self.plan.version, "migration_bytes": 0, "servers": servers}
+                "plan_version": self._version_at(r),
+                "migration_bytes": self.migrations.pop(r, 0), "servers": servers}
         if self._file is not None:
             self._file.write(json.dumps(line) + "\n")
             self._file.flush()

@@ -76,6 +76,16 @@ def check_slices(key, size, slices, num_servers):
         raise PlanError("key %r: slices cover %d of %d elements" % (key, pos, size))
 
 
+def table_to_json(table):
+    """A table ``{key: (Slice, ...)}`` as JSON-able data (keys as strings)."""
+    return {str(k): [[s.server, s.offset, s.length] for s in v] for k, v in table.items()}
+
+
+def table_from_json(obj):
+    """The inverse of ``table_to_json``."""
+    return {int(k): tuple(Slice(*map(int, x)) for x in v) for k, v in obj.items()}
+
+
 class Plan:
     """A versioned placement table; keys not in the table are placed by ``rule`` on first use."""
 
@@ -111,6 +121,19 @@ class Plan:
 
     def keys(self):
         return self._table.keys()
+
+    def table(self):
+        """The placement of every key placed so far, ``{key: (Slice, ...)}``."""
+        return dict(self._table)
+
+    def replaced(self, version, table):
+        """A plan of ``version`` placing ``table``'s keys as it says (the rest as this one)."""
+        new = Plan(self.num_servers, version, table, self.bigarray_bound, self._rule)
+        for key, slices in self._table.items():
+            if key not in new._table:
+                new._table[key] = slices
+                new._sizes[key] = self._sizes[key]
+        return new
 
     def elements_per_server(self):
         """Total elements each server holds under this plan (for bytes-per-server reports)."""

@@ -14,8 +14,9 @@ import time
 
 import zmq
 
-from . import transport
+from . import adaptive, transport
 from .control import EXIT_LOST_PEER, poll_forever
+from .plan import table_from_json as _table_from_json, table_to_json as _table_to_json
 from .wire import Header, MsgType
 
 log = logging.getLogger("mxps.scheduler")
@@ -60,6 +61,11 @@ class Scheduler:
         self.barrier_waiting = []  # idents
         self.barrier_count = 0
         self.rate_reports = {}     # worker rank -> probe timings {bytes, seconds} per server
+        # live re-planning (docs/REPLAN.md)
+        self.replanner = adaptive.Replanner(cfg.num_servers, cfg.num_workers)
+        self.replan_reports = {}   # worker rank -> its REPLAN request body
+        self.plan_version = 0
+        self.pending_plan = None   # a plan the servers are moving state for
 
     # -- helpers -----------------------------------------------------------------------------
     def _send(self, node, type_, body=None, **fields):
@@ -145,6 +151,9 @@ class Scheduler:
                     if code is not None:
                         return code
             now = time.monotonic()
+            code = self._check_plan_deadline(now)
+            if code is not None:
+                return code
             for n in self.nodes.values():
                 if not n.finished and now - n.last_heard > self.cfg.heartbeat_timeout:
                     return self._abort("lost %s: no heartbeat for %.1f s (MXPS_HEARTBEAT_TIMEOUT"
@@ -173,11 +182,17 @@ class Scheduler:
                          for s in range(self.cfg.num_servers)]
                 log.info("server rates agreed (MB/s): %s",
                          " ".join("%.1f" % (r / 1e6) for r in rates))
+                self.replanner.rates = list(rates)
                 body = json.dumps({"rates": rates}).encode()
                 for n in self.nodes.values():
                     if n.role == "worker":
                         self._send(n, MsgType.BANDWIDTH, body)
                 self.rate_reports = {}
+        elif h.type == MsgType.REPLAN:
+            self.replan_reports[node.rank] = json.loads(payload.bytes)
+            return self._maybe_replan()
+        elif h.type == MsgType.PLAN:
+            return self._on_plan_ack(node, json.loads(payload.bytes))
         elif h.type == MsgType.ABORT:
             reason = payload.bytes.decode() if payload is not None else "unknown error"
             return self._abort("%s failed: %s" % (node.describe(), reason))
@@ -197,7 +212,83 @@ class Scheduler:
                 for n in self.barrier_waiting:
                     self._send(n, MsgType.ACK, key=-2, iteration=self.barrier_count)
                 self.barrier_waiting = []
+            return self._maybe_replan()
         return None
+
+    # -- live re-planning --------------------------------------------------------------------
+    def _live_workers(self):
+        return [n for n in self.nodes.values() if n.role == "worker" and not n.finished]
+
+    def _maybe_replan(self):
+        """Every live worker stopped at the same round with nothing in flight: measure, decide,
+        and either release them at once or have the servers move state first."""
+        live = self._live_workers()
+        if not self.replan_reports or len(self.replan_reports) < len(live):
+            return None
+        reports, self.replan_reports = self.replan_reports, {}
+        rounds = sorted({r["round"] for r in reports.values()})
+        if len(rounds) != 1:
+            return self._abort("workers reached the re-plan point at different rounds (%s): "
+                               "they do not push the same keys the same number of times"
+                               % ", ".join("worker %d: %d" % (w, r["round"])
+                                           for w, r in sorted(reports.items())))
+        self.replanner.observe([r.get("traffic", {}) for r in reports.values()])
+        lead = reports.get(0) or reports[min(reports)]
+        table = None
+        if "table" in lead:
+            old = _table_from_json(lead["table"])
+            keys = [(int(k), int(n)) for k, n in lead["keys"]]
+            table = self.replanner.decide(
+                keys, old, self.plan_version + 1, rounds[0],
+                min_slice=int(lead.get("min_slice", adaptive.DEFAULT_MIN_SLICE)),
+                force=bool(lead.get("force")), min_gain=float(lead.get("min_gain", 0.05)),
+                horizon=int(lead.get("horizon", 20)))
+        if table is None:
+            self._release({"version": self.plan_version, "table": None,
+                           "rates": self.replanner.rates})
+            return None
+        self.plan_version += 1
+        moved = adaptive.moved_bytes(old, table, 4)
+        self.pending_plan = {"version": self.plan_version, "table": table, "acks": set(),
+                             "moved": moved, "round": rounds[0],
+                             "deadline": time.monotonic() + self.cfg.timeout}
+        body = json.dumps({"version": self.plan_version, "old": _table_to_json(old),
+                           "new": _table_to_json(table)}).encode()
+        for n in self.nodes.values():
+            if n.role == "server":
+                self._send(n, MsgType.PLAN, body, plan_version=self.plan_version)
+        return None
+
+    def _on_plan_ack(self, node, body):
+        p = self.pending_plan
+        if p is None or body.get("version") != p["version"]:
+            return None
+        if body.get("error"):
+            return self._abort("%s could not move state for plan %d: %s"
+                               % (node.describe(), p["version"], body["error"]))
+        p["acks"].add(node.rank)
+        if len(p["acks"]) == self.cfg.num_servers:
+            self.pending_plan = None
+            log.info("plan %d in place (round %d, %d bytes moved)", p["version"], p["round"],
+                     p["moved"])
+            self._release({"version": p["version"], "table": _table_to_json(p["table"]),
+                           "moved_bytes": p["moved"], "rates": self.replanner.rates})
+        return None
+
+    def _check_plan_deadline(self, now):
+        p = self.pending_plan
+        if p is not None and now > p["deadline"]:
+            late = [n.describe() for n in self.nodes.values()
+                    if n.role == "server" and n.rank not in p["acks"]]
+            return self._abort("plan %d: %s did not finish moving state within %.0f s "
+                               "(MXPS_TIMEOUT)" % (p["version"], ", ".join(late),
+                                                   self.cfg.timeout))
+        return None
+
+    def _release(self, body):
+        data = json.dumps(body).encode()
+        for n in self._live_workers():
+            self._send(n, MsgType.REPLAN, data, plan_version=body["version"])
 
     def run(self):
         try:

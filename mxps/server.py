@@ -12,6 +12,7 @@ gets the key's own index, so Adam's per-index update counts and lr/wd multiplier
 MXNet.  A bad request gets an ERROR reply naming the key and the cause; the server keeps serving.
 """
 import dataclasses
+import json
 import logging
 import pickle
 import time
@@ -19,7 +20,7 @@ import time
 import numpy as np
 import zmq
 
-from . import control, transport, wire
+from . import control, plan, transport, wire
 from .accum import add_into, copy_into
 from .control import SchedulerLink, poll_forever
 from .ndview import numpy_view
@@ -61,6 +62,48 @@ class _Slot:
         self.free = []                  # reusable (acc, acc_nd) accumulators
 
 
+class _Incoming:
+    """A new slice this server is assembling: the parts so far, how many remote ones to come."""
+
+    __slots__ = ("slice", "expect", "parts")
+
+    def __init__(self, slice_, expect):
+        self.slice = slice_
+        self.expect = expect
+        self.parts = []
+
+
+class _Migration:
+    """One re-plan on this server: parts sent and not yet acknowledged, slices being built."""
+
+    def __init__(self, version):
+        self.version = version
+        self.outgoing = {}        # request id -> destination server
+        self.incoming = {}        # key -> _Incoming
+        self.next_id = 0
+        self.moved = 0
+        self.done = False
+
+
+def _cut_state(state, a, b):
+    """Elements [a, b) of an optimizer state (an NDArray, a tuple of them, or None)."""
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return type(state)(_cut_state(x, a, b) for x in state)
+    return state.asnumpy().reshape(-1)[a:b].copy()
+
+
+def _join_state(parts):
+    """The inverse of ``_cut_state`` over consecutive parts."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join_state([p[i] for p in parts]) for i in range(len(first)))
+    return np.concatenate(parts) if len(parts) > 1 else first
+
+
 def _to_numpy(state):
     if state is None:
         return None
@@ -92,6 +135,12 @@ class Server:
         self.slots = {}
         self.updater = None
         self.optimizer = None
+        self.plan_version = 0
+        self.peer_addrs = welcome["servers"]
+        self.peers = {}            # server rank -> DEALER (opened at the first migration)
+        self.migration = None      # the re-plan this server is moving state for
+        self.early_parts = []      # parts of a plan whose PLAN message has not arrived yet
+        self.poller = None
         log.info("server %d listening on %s:%d", self.rank, host, self.port)
 
     # -- replies -----------------------------------------------------------------------------
@@ -116,6 +165,9 @@ class Server:
         if slot is None:
             raise RequestError("key %d is not initialised on server %d: call init (or "
                                "broadcast) on the key before push/pull" % (h.key, self.rank))
+        if h.plan_version != self.plan_version:
+            raise RequestError("key %d: request of plan version %d, but server %d is at plan "
+                               "%d" % (h.key, h.plan_version, self.rank, self.plan_version))
         if slot.offset != h.offset or slot.length != h.length:
             raise RequestError("key %d: request for elements [%d, %d) but server %d holds "
                                "[%d, %d): workers disagree on the placement plan or on the "
@@ -251,7 +303,180 @@ class Server:
         # echo the bytes back: the worker times both directions of its link to this server
         self._reply(ident, h, MsgType.DATA, payload, dtype=wire.NO_DTYPE, length=0)
 
+    # -- live re-planning: moving slices between servers (docs/REPLAN.md) ---------------------
+    def _on_plan(self, body):
+        """The scheduler's new plan.  Every worker has stopped with nothing in flight, so every
+        round is complete: send each new owner its part of this server's old slices (value,
+        optimizer state, update count), keep the part that stays, and build each new slice once
+        all of its parts are here; then tell the scheduler."""
+        version = body["version"]
+        old, new = plan.table_from_json(body["old"]), plan.table_from_json(body["new"])
+        mig = self.migration = _Migration(version)
+        self.plan_version = version
+        parts = []                         # (destination, part)
+        for key, slices in new.items():
+            before = old.get(key)
+            if before == slices:
+                continue
+            mine_old = next((x for x in before or () if x.server == self.rank), None)
+            mine_new = next((x for x in slices if x.server == self.rank), None)
+            if mine_old is not None:
+                slot = self.slots.get(key)
+                if slot is None or (slot.offset, slot.length) != (mine_old.offset,
+                                                                  mine_old.length):
+                    raise RequestError("plan %d: server %d does not hold key %d as %s"
+                                       % (version, self.rank, key, mine_old))
+                if slot.rounds or slot.waiting:
+                    raise RequestError(
+                        "plan %d: key %d has rounds %s partly pushed on server %d; workers "
+                        "push keys unequally" % (version, key, sorted(slot.rounds), self.rank))
+                for x in slices:
+                    lo, hi = max(x.offset, slot.offset), min(x.stop, slot.offset + slot.length)
+                    if hi > lo or (x.length == 0 and x.server != self.rank):
+                        parts.append((x.server, self._cut(slot, lo, hi)))
+                self._drop(key)
+            if mine_new is not None:
+                expect = sum(1 for x in before or () if x.server != self.rank and
+                             (min(x.stop, mine_new.stop) > max(x.offset, mine_new.offset)
+                              or mine_new.length == 0))
+                mig.incoming[key] = _Incoming(mine_new, expect)
+        for dest, part in parts:           # what stays here first, then what arrived early
+            if dest == self.rank:
+                self._add_part(mig, part, remote=False)
+        for key in [k for k, inc in mig.incoming.items() if inc.expect == 0]:
+            self._install(mig, key)
+        early, self.early_parts = self.early_parts, []
+        for v, part in early:
+            if v == version:
+                self._add_part(mig, part, remote=True)
+        for dest, part in parts:
+            if dest != self.rank:
+                self._send_part(mig, dest, part)
+        self._maybe_done(mig)
+
+    def _cut(self, slot, lo, hi):
+        """The elements [lo, hi) of ``slot`` (key coordinates) as a migration part."""
+        a, b = lo - slot.offset, hi - slot.offset
+        key = slot.key
+        part = {"key": key, "offset": lo, "length": hi - lo, "dtype": slot.dtype_code,
+                "value": np.array(slot.snapshot[a:b]), "applied": slot.applied}
+        if self.updater is not None:
+            if key in self.updater.states:
+                part["state"] = _cut_state(self.updater.states[key], a, b)
+            count = self.updater.optimizer._index_update_count.get(key)
+            if count is not None:
+                part["count"] = count
+        return part
+
+    def _drop(self, key):
+        self.slots.pop(key, None)
+        if self.updater is not None:
+            self.updater.states.pop(key, None)
+            self.updater.states_synced.pop(key, None)
+
+    def _send_part(self, mig, dest, part):
+        sock = self.peers.get(dest)
+        if sock is None:
+            host, port = self.peer_addrs[dest]
+            sock = self.peers[dest] = transport.connect_dealer(host, port)
+            self.poller.register(sock, zmq.POLLIN)
+        mig.next_id += 1
+        mig.outgoing[mig.next_id] = dest
+        mig.moved += part["value"].nbytes
+        h = wire.Header(MsgType.MIGRATE, key=part["key"], sender=self.rank,
+                        plan_version=mig.version, offset=part["offset"],
+                        length=part["length"], request_id=mig.next_id)
+        transport.send(sock, h, pickle.dumps(part, protocol=5))
+
+    def _on_migrate(self, ident, h, payload):
+        part = pickle.loads(payload.bytes)
+        mig = self.migration
+        if mig is not None and mig.version == h.plan_version:
+            self._reply(ident, h, MsgType.ACK, length=0)
+            try:
+                self._add_part(mig, part, remote=True)
+                self._maybe_done(mig)
+            except Exception as e:
+                self._plan_failed(mig.version, e)
+        elif h.plan_version > self.plan_version:
+            self.early_parts.append((h.plan_version, part))   # its PLAN is on the way
+            self._reply(ident, h, MsgType.ACK, length=0)
+        else:
+            raise RequestError("a part of key %d for plan %d, but server %d is at plan %d"
+                               % (h.key, h.plan_version, self.rank, self.plan_version))
+
+    def _add_part(self, mig, part, remote):
+        """Keep a part of a new slice; with the last remote part in, build the slice."""
+        inc = mig.incoming.get(part["key"])
+        if inc is None:
+            raise RequestError("plan %d: server %d got a part of key %d it does not hold"
+                               % (mig.version, self.rank, part["key"]))
+        inc.parts.append(part)
+        if remote:
+            inc.expect -= 1
+            if inc.expect == 0:
+                self._install(mig, part["key"])
+
+    def _install(self, mig, key):
+        """Build this server's new slot of ``key`` from its parts (in offset order)."""
+        inc = mig.incoming.pop(key)
+        want, parts = inc.slice, inc.parts
+        parts.sort(key=lambda p: p["offset"])
+        pos = want.offset
+        for p in parts:
+            if p["offset"] != pos:
+                raise RequestError("plan %d: parts of key %d leave a gap at element %d"
+                                   % (mig.version, key, pos))
+            pos += p["length"]
+        if pos != want.stop:
+            raise RequestError("plan %d: parts of key %d end at %d, the slice at %d"
+                               % (mig.version, key, pos, want.stop))
+        applied = {p["applied"] for p in parts}
+        if len(applied) != 1:
+            raise RequestError("plan %d: parts of key %d come from different rounds %s"
+                               % (mig.version, key, sorted(applied)))
+        mx = self.mx
+        value = np.concatenate([p["value"] for p in parts]) if len(parts) > 1 \
+            else parts[0]["value"]
+        weight_nd = mx.nd.array(value, dtype=value.dtype)
+        weight_nd.wait_to_read()
+        slot = _Slot(key, want.offset, want.length, parts[0]["dtype"], weight_nd, value)
+        slot.applied = applied.pop()
+        if self.updater is not None:
+            slot.snapshot = slot.weight if self.cfg.sync else slot.weight.copy()
+            states = [p.get("state") for p in parts]
+            if any(x is not None for x in states):
+                if any(x is None for x in states):
+                    raise RequestError("plan %d: some parts of key %d lack optimizer state"
+                                       % (mig.version, key))
+                self.updater.states[key] = _to_nd(_join_state(states), mx)
+                self.updater.states_synced[key] = False
+            counts = {p["count"] for p in parts if "count" in p}
+            if counts:
+                opt = self.updater.optimizer
+                opt._index_update_count[key] = max(counts)
+                opt.num_update = max(opt.num_update, max(counts))
+        self.slots[key] = slot
+
+    def _on_migrate_reply(self, h):
+        mig = self.migration
+        if h.type == MsgType.ERROR or mig is None:
+            raise RequestError("plan %d: a moved part of key %d was refused" % (
+                h.plan_version, h.key))
+        mig.outgoing.pop(h.request_id, None)
+        self._maybe_done(mig)
+
+    def _maybe_done(self, mig):
+        if mig.done or mig.outgoing or mig.incoming:
+            return
+        mig.done = True
+        self.link.send(MsgType.PLAN, json.dumps({"version": mig.version,
+                                                 "moved_bytes": mig.moved}).encode())
+        log.info("server %d: plan %d in place (%d bytes sent)", self.rank, mig.version,
+                 mig.moved)
+
     _HANDLERS = {
+        MsgType.MIGRATE: _on_migrate,
         MsgType.PROBE: _on_probe,
         MsgType.INIT: _on_init,
         MsgType.PUSH: _on_push,
@@ -275,8 +500,33 @@ class Server:
             self._error(ident, h, "server %d failed on %s: %s: %s"
                         % (self.rank, MsgType(h.type).name, type(e).__name__, e))
 
+    def _on_scheduler(self, h, payload):
+        if h.type != MsgType.PLAN:
+            self.link.handle(h, payload)
+            return
+        self.link.last_heard = time.monotonic()
+        body = json.loads(payload.bytes)
+        try:
+            self._on_plan(body)
+        except Exception as e:
+            self._plan_failed(body.get("version"), e)
+
+    def _plan_failed(self, version, error):
+        # the job cannot go on with a broken placement: the scheduler ends it with this reason
+        log.error("server %d: plan %s failed: %r", self.rank, version, error)
+        self.link.send(MsgType.PLAN, json.dumps({
+            "version": version, "error": "%s: %s" % (type(error).__name__, error)}).encode())
+
+    def _on_peer_reply(self, sock):
+        while sock.poll(0):
+            _, h, _ = transport.recv(sock)
+            try:
+                self._on_migrate_reply(h)
+            except Exception as e:
+                self._plan_failed(h.plan_version, e)
+
     def run(self):
-        poller = zmq.Poller()
+        poller = self.poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.link.sock, zmq.POLLIN)
         wait_ms = int(self.cfg.heartbeat_interval * 1000 / 2)
@@ -295,8 +545,13 @@ class Server:
             if self.link.sock in events:
                 while self.link.sock.poll(0):
                     _, h, p = transport.recv(self.link.sock)
-                    self.link.handle(h, p)
+                    self._on_scheduler(h, p)
+            for sock in self.peers.values():
+                if sock in events:
+                    self._on_peer_reply(sock)
             self.link.tick(time.monotonic())
+        for sock in self.peers.values():
+            sock.close(linger=0)
         self.sock.close(linger=1000)
         self.link.close()
         return 0

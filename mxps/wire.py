@@ -63,6 +63,12 @@ class MsgType(enum.IntEnum):
     COMMAND = 17        # worker -> server: (cmd id, body), MXNet's _send_command_to_servers
     PROBE = 24          # worker -> server: N bytes, answered with N bytes (bandwidth probe)
     BANDWIDTH = 25      # worker -> scheduler: JSON measured rates; scheduler -> workers: agreed
+    REPLAN = 26         # worker -> scheduler: traffic of the last rounds, waits for the answer;
+                        # scheduler -> workers: JSON {version, table or null} (live re-plan)
+    PLAN = 27           # scheduler -> server: JSON {version, old, new tables}; server -> sched:
+                        # the new plan's state is in place (every moved slice arrived)
+    MIGRATE = 28        # server -> server: a moved part of a slice (value, optimizer state,
+                        # update count), pickled; answered with ACK
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)

@@ -173,6 +173,20 @@ class Client:
                 time.sleep(0.005)
         return self.link.bandwidth["rates"]
 
+    def replan(self, report):
+        """At a re-plan point (nothing of this worker in flight): send the scheduler
+        ``report`` (this worker's traffic since the last point, and from rank 0 the placement)
+        and wait for its answer, which comes once every worker is here and, if the plan
+        changes, every server has moved its state.  Like ``barrier``, no deadline of its own:
+        a dead peer is reported by the scheduler's heartbeat check."""
+        seen = self.link.replans
+        self._queue.append((None, Header(MsgType.REPLAN, sender=self.rank),
+                            json.dumps(report).encode(), None))
+        self._wake()
+        while self.link.replans == seen:
+            time.sleep(0.0005)
+        return self.link.replan
+
     def finish(self):
         """Tell the scheduler this worker is done and wait for the job's shutdown."""
         if self._finished:

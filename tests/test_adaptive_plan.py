@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from mxps.adaptive import (bytes_per_server, check_table, default_table, granularity,
                            guaranteed_makespan, lower_bound, makespan, moved_bytes,
-                           proportional_plan, replan_gain, should_replan)
+                           proportional_plan, replan_gain, should_replan, split_table,
+                           forced_table, Replanner)
 from mxps.adaptive import _construct
 from mxps.plan import Plan, PlanError, Slice, check_slices
 
@@ -414,3 +415,91 @@ def test_planner_is_fast_for_62_and_1000_keys():
         t = time.perf_counter()
         proportional_plan(sizes, b)
         assert time.perf_counter() - t < limit
+
+
+# --- live re-planning: the proposal, the forced tables, the scheduler's Replanner -----------
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=SIZES, b=bandwidths(), min_slice=MIN_SLICE)
+def test_split_table_follows_the_rules_and_keeps_shares_within_one_small_key(sizes, b,
+                                                                             min_slice):
+    keys = sorted(sizes.items())
+    table = split_table(keys, b, min_slice)
+    assert set(table) == set(sizes)
+    assert_follows_the_rules(table, sizes, len(b), min_slice)
+    loads = bytes_per_server(table, len(b), 1)
+    total = sum(sizes.values())
+    unit = max([min(n, 2 * min_slice) for n in sizes.values()] + [0])
+    for s, load in enumerate(loads):   # within one unsplittable unit per server of its share
+        assert abs(load - total * b[s] / sum(b)) <= unit * len(b) + 1, (s, loads)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=SIZES, num_servers=st.integers(2, 6), version=st.integers(1, 10 ** 6),
+       min_slice=MIN_SLICE)
+def test_forced_tables_follow_the_rules_and_move_something_every_version(sizes, num_servers,
+                                                                         version, min_slice):
+    keys = sorted(sizes.items())
+    a = forced_table(keys, num_servers, version, min_slice)
+    b = forced_table(keys, num_servers, version + 1, min_slice)
+    for t in (a, b):
+        assert_follows_the_rules(t, sizes, num_servers, min_slice)
+    assert forced_table(keys, num_servers, version, min_slice) == a      # deterministic
+    if sum(sizes.values()):
+        assert moved_bytes(a, b) > 0
+
+
+def traffic(per_server_bytes_seconds, rounds, first=1):
+    """One worker's report: the same [bytes, seconds] per server in every round."""
+    return {r: [list(x) for x in per_server_bytes_seconds] for r in range(first, first + rounds)}
+
+
+def test_replanner_rate_is_all_workers_bytes_over_the_slowest_span():
+    rp = Replanner(2, 2)
+    rates = rp.observe([traffic([(4e6, 1.0), (4e6, 0.5)], 1),
+                        traffic([(2e6, 0.5), (4e6, 1.0)], 1)])
+    assert rates == [6e6, 8e6]
+
+
+def test_replanner_one_noisy_round_does_not_move_the_estimate_a_real_change_does():
+    rp = Replanner(2, 1)
+    rp.observe([traffic([(1e6, 0.1), (1e6, 0.1)], 2)])            # 10 MB/s each
+    rp.observe([{3: [[1e6, 1.0], [1e6, 0.1]]}])                    # server 0 slow once
+    assert rp.rates == [1e7, 1e7]
+    rp.observe([{4: [[1e6, 1.0], [1e6, 0.1]]}])                    # and again: real
+    assert rp.rates == pytest.approx([1e6, 1e7])
+
+
+def test_replanner_keeps_the_probe_rate_of_a_server_it_cannot_time():
+    rp = Replanner(2, 1, rates=[5e6, 5e6])
+    rp.observe([traffic([(1e6, 0.1), (1000, 0.1)], 3)])           # server 1: too few bytes
+    assert rp.rates == [1e7, 5e6]
+
+
+def test_replanner_moves_bytes_off_a_slow_server_and_keeps_a_balanced_plan():
+    sizes = resnet18_sizes()
+    keys = list(sizes.items())
+    rp = Replanner(4, 4, rates=[4e7] * 4)
+    even = split_table(keys, [1.0] * 4)
+    assert rp.decide(keys, even, 1) is None                       # balanced: keep
+    rp.rates = [1e7, 4e7, 4e7, 4e7]                               # server 0 at a quarter
+    new = rp.decide(keys, even, 1)
+    assert new is not None
+    before, after, _, ok = rp.last
+    assert ok and after < 0.5 * before
+    loads = bytes_per_server(new, 4)
+    assert loads[0] < 0.1 * sum(loads)                            # ~1/13 of the bytes
+    assert rp.decide(keys, new, 2) is None                        # in place: keep
+
+
+def test_replanner_hysteresis_ignores_a_gain_under_min_gain():
+    sizes = resnet18_sizes()
+    keys = list(sizes.items())
+    even = split_table(keys, [1.0] * 4)
+    rp = Replanner(4, 4, rates=[3.9e7, 4e7, 4e7, 4e7])            # 2.5% slower: noise
+    assert rp.decide(keys, even, 1, min_gain=0.05) is None
+    assert rp.decide(keys, even, 1, min_gain=0.001) is not None
+    # a real gain that moving the state would not pay back within the horizon: keep
+    rp.rates = [2e7, 4e7, 4e7, 4e7]
+    assert rp.decide(keys, even, 1, horizon=1) is None
+    assert rp.decide(keys, even, 1, horizon=20) is not None

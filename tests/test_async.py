@@ -28,14 +28,24 @@ def test_async_kvstore_reports_dist_async_and_trainer_updates_on_the_servers(job
         assert load_meta(mine.out_dir, r)["update_on_kvstore"] is True
 
 
-@pytest.mark.parametrize("kvstore,updates", [("mxps_async", 2 * 10), ("mxps", 10)])
-def test_async_applies_every_push_on_its_own_sync_once_per_round(tmp_path, kvstore, updates):
+# forced: a new placement before every round (tests/test_replan.py), so the keys' slices, their
+# optimizer state and update counts move between the servers at every step
+FORCED = {"MXPS_REPLAN_FORCE": "1", "MXPS_REPLAN_INTERVAL": "1", "MXPS_MIN_SLICE": "4"}
+
+
+@pytest.mark.parametrize("kvstore,updates,extra", [
+    ("mxps_async", 2 * 10, {}), ("mxps", 10, {}),
+    ("mxps_async", 2 * 10, FORCED), ("mxps", 10, FORCED)],
+    ids=["async", "sync", "async-replanned", "sync-replanned"])
+def test_async_applies_every_push_on_its_own_sync_once_per_round(tmp_path, kvstore, updates,
+                                                                 extra):
     # 2 workers x 10 steps: the servers' optimizer counts one update per push in async mode
-    # (20 per key), one per summed round in sync mode (10): read from the saved states
+    # (20 per key), one per summed round in sync mode (10): read from the saved states.
+    # Re-planned every step, no push may be lost or applied twice on the way.
     out = str(tmp_path / "job")
-    cluster.run_job([os.path.join(cluster.JOBS_DIR, "states_job.py")], 2, 2, timeout=240, env={
-        "STATES_KVSTORE": kvstore, "STATES_OPTIMIZER": "sgd", "STATES_START": 0,
-        "STATES_STOP": 10, "STATES_OUT": out}).raise_for_failure()
+    cluster.run_job([os.path.join(cluster.JOBS_DIR, "states_job.py")], 2, 2, timeout=240, env=dict(
+        {"STATES_KVSTORE": kvstore, "STATES_OPTIMIZER": "sgd", "STATES_START": 0,
+         "STATES_STOP": 10, "STATES_OUT": out}, **extra)).raise_for_failure()
     with open(os.path.join(out, "trainer.states"), "rb") as f:
         states, optimizer = pickle.loads(f.read())
     assert optimizer._index_update_count == {0: updates, 1: updates}

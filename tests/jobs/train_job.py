@@ -28,6 +28,12 @@ Environment:
                          the object (gluon only); else pass the name.
   JOB_DATA_RANK          use this data shard instead of the kvstore rank (e.g. local runs).
   JOB_DATA_SHARDS        number of data shards (default: the kvstore's num_workers).
+  JOB_WAITALL            1 (default): mx.nd.waitall() after every step; 0: never (the
+                         training thread runs ahead of the engine, as real scripts do).
+  JOB_DELAY              "rank:step:seconds" (mxps only): on that rank, that step's gradients
+                         become ready that many seconds late (an engine operation holding
+                         them sleeps), so its pushes leave late while the training thread
+                         goes on.
   JOB_SEED               seed for initialisation, the same on every worker (default 42).
   JOB_OUT                directory; each worker writes weights_rank{R}.npz (every parameter
                          by name) and meta_rank{R}.json (rank, num_workers, kvstore type,
@@ -78,6 +84,9 @@ SIMULATE = _env_int("JOB_SIMULATE_WORKERS", 0)
 MODEL = os.environ.get("JOB_MODEL", "mlp")
 KV_OBJECT = _env_flag("JOB_KV_OBJECT") or False
 SEED = _env_int("JOB_SEED", 42)
+WAITALL = _env_flag("JOB_WAITALL") is not False
+DELAY = [float(x) for x in os.environ["JOB_DELAY"].split(":")] if os.environ.get("JOB_DELAY") \
+    else None
 OUT = os.environ.get("JOB_OUT", "")
 HIDDEN = {"mlp": [32, 32], "mlp_big": [2048, 32]}
 
@@ -183,8 +192,11 @@ def run_gluon():
             losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
         for loss in losses:
             loss.backward()
+        if DELAY and (rank, step) == (int(DELAY[0]), int(DELAY[1])):
+            delay_gradients(params, DELAY[2])
         trainer.step(BATCH)
-        mx.nd.waitall()
+        if WAITALL:
+            mx.nd.waitall()
         step_seconds.append(time.perf_counter() - t0)
     mx.nd.waitall()
     weights = {name: p.data(ctxs[0]).asnumpy() for name, p in params.items()}
@@ -266,6 +278,15 @@ def run_module():
     weights.update({"aux:" + k: v.asnumpy() for k, v in aux.items()})
     write_results(rank, num_workers, kv, weights, step_seconds, {
         "update_on_kvstore": mod._update_on_kvstore})
+
+
+def delay_gradients(params, seconds):
+    import threading
+    from mxps import engine
+    grads = [g.handle.value for p in params.values() if p.grad_req != "null"
+             for g in p.list_grad()]
+    engine.push_async(lambda done: threading.Timer(seconds, done).start(), [], grads, 0,
+                      b"test_delay")
 
 
 def main():

@@ -1,0 +1,87 @@
+"""Live re-planning moves slices between servers without losing or double-applying an update.
+
+MXPS_REPLAN_FORCE=1 with MXPS_REPLAN_INTERVAL=1 makes the scheduler switch to a new table before
+every round (``adaptive.forced_table``: other cut points and other owners each time, so every
+slice's weights, optimizer state and update count move between servers at every step). The
+final weights must equal those of the same training with a fixed plan (relative L2 <= 1e-5 per
+parameter, as test_equivalence), and the scheduler's log must show the re-plans and the bytes
+they moved. MXPS_MIN_SLICE=64 lets the small model's keys (2048 and 1024 elements) be cut.
+
+The fixed-plan reference is native MXNet playing the W workers exactly in one process
+(JOB_SIMULATE_WORKERS, checked equal to native dist_sync in test_native_baseline, and to mxps
+with its fixed plans in test_equivalence): one process instead of a 2W+1-process job.
+"""
+import os
+import re
+
+import pytest
+
+import cluster
+from cluster import assert_synchronised, assert_weights_close, load_meta, train_env
+
+RTOL = 1e-5
+STEPS = 20
+FORCED = dict(MXPS_REPLAN_FORCE=1, MXPS_REPLAN_INTERVAL=1, MXPS_MIN_SLICE=64,
+              MXPS_LOG_LEVEL="INFO")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    return cluster.job_cache(tmp_path_factory)
+
+
+def scheduler_log(run):
+    with open(os.path.join(run.out_dir, "logs", "scheduler0.err")) as f:
+        return f.read()
+
+
+def replans(run):
+    """[(version, round, bytes moved, log time)] of the plans put in place."""
+    out = []
+    pattern = (r"(\d\d:\d\d:\d\d,\d+) mxps[a-z ]* INFO plan (\d+) in place \(round (\d+), "
+               r"(\d+) bytes moved\)")
+    for m in re.finditer(pattern, scheduler_log(run)):
+        h, mi, rest = m.group(1).split(":")
+        t = int(h) * 3600 + int(mi) * 60 + float(rest.replace(",", "."))
+        out.append((int(m.group(2)), int(m.group(3)), int(m.group(4)), t))
+    return out
+
+
+CASES = [("%s-%dx%d-update_on_%s" % (opt, w, s, "servers" if uok else "workers"), w, s, opt, uok)
+         for w, s in ((2, 2), (3, 3)) for opt in ("sgd", "adam") for uok in (True, False)]
+
+
+@pytest.mark.parametrize("workers,servers,optimizer,uok", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_forced_replan_every_step_ends_with_the_fixed_plan_weights(jobs, workers, servers,
+                                                                    optimizer, uok):
+    fixed = jobs.train(train_env("device", optimizer=optimizer, update_on_kvstore=False,
+                                 steps=STEPS, JOB_SIMULATE_WORKERS=workers), workers, 0)
+    moving = jobs.train(train_env("mxps", optimizer=optimizer, update_on_kvstore=uok,
+                                  steps=STEPS, **FORCED), workers, servers)
+    assert load_meta(moving.out_dir, 0)["update_on_kvstore"] is uok
+    done = replans(moving)
+    # a new plan before every round but the first: rounds 2..STEPS
+    assert [r for _, r, _, _ in done] == list(range(2, STEPS + 1)), done
+    assert [v for v, _, _, _ in done] == list(range(1, STEPS))
+    assert all(moved > 0 for _, _, moved, _ in done), done
+    want = assert_synchronised(fixed.out_dir, workers, kvstore_type="device")
+    got = assert_synchronised(moving.out_dir, workers)
+    assert_weights_close(got, want, rtol=RTOL, what="re-planned every step vs fixed plan")
+
+
+def test_replan_waits_for_a_push_still_in_flight_and_loses_nothing(jobs):
+    # On worker 1 the gradients of step 5 (round 6) become ready 1.5 s late, so its round-6
+    # pushes leave late, while neither worker waits for the engine between steps: worker 0's
+    # round 6 sits summed on the servers, waiting for worker 1's half, while both workers
+    # reach the re-plan point of round 7.  That plan must wait until round 6 is complete
+    # everywhere (then moves the round-6 state); nothing is lost.
+    fixed = jobs.train(train_env("mxps", update_on_kvstore=True, steps=STEPS), 2, 2)
+    moving = jobs.train(train_env("mxps", update_on_kvstore=True, steps=STEPS,
+                                  JOB_WAITALL=0, JOB_DELAY="1:5:1.5", **FORCED), 2, 2)
+    done = {r: t for _, r, _, t in replans(moving)}
+    assert sorted(done) == list(range(2, STEPS + 1))
+    assert done[7] - done[6] >= 1.4, done      # round 7's plan waited for the late push
+    assert_weights_close(assert_synchronised(moving.out_dir, 2),
+                         assert_synchronised(fixed.out_dir, 2), rtol=RTOL,
+                         what="re-planned around a late push vs fixed plan")
