@@ -9,7 +9,15 @@ Scenarios (applied as soon as the scheduler has ranked the servers, i.e. before 
 
 - ``homogeneous``: every link at R.
 - ``static``: server *rank* ``--slow-rank`` at R/k (k = ``--slow-factor``).
-- ``dynamic``: the slow link moves to the next server rank every ``--period`` seconds.
+- ``dynamic``: the slow link moves to the next server rank every ``--period-steps`` P timed
+  steps (default 8) of worker 0: the bench applies each move when worker 0 reports the step
+  (``BENCH_STEP``), so every system, however fast, sees the same moves at the same steps; the
+  run has max(4P, 3P + 3) timed steps unless ``--steps`` is given (at least 3P + 3).  Moves
+  stop 3 steps before the end, so that the metrics show a step after each (a worker writes a
+  step's line when the next-but-one step starts: the last two steps have none).
+  ``--period SECONDS`` instead moves it every that many seconds from the start (the run still
+  ends after ``--steps`` steps, so a fast system may see fewer moves, and moves during the
+  start-up are seen by no step).
 - ``--schedule FILE``: a JSON list of ``[t, {node: rate}]`` (t seconds from that moment; node a
   topology name such as ``s1``/``w0`` or ``rank:N`` for server rank N; rate Mbit/s, a
   ``[up, down]`` pair, or null for unshaped).
@@ -27,9 +35,22 @@ rendezvous, every worker times ``--compute-steps`` steps of a private copy of th
 kvstore (same data, optimizer, and the same W processes competing for the CPU); the median over
 workers and systems is used.
 
+Shares following the rates (mxps systems): every mxps job runs with ``MXPS_METRICS`` set, so each
+worker writes one JSON line per step (``mxps.metrics``) to
+``metrics-<scenario>-<system>-<rank>.jsonl`` in ``--out-dir``.  From worker rank 0's lines the
+bench draws ``shares-<scenario>-<system>.png`` (each server's share of the step's bytes against
+seconds since the job's start, the rate-proportional target share r_s / sum of server rates of
+the rates in force dashed, rate changes and plan-version changes marked; step seconds below) and
+adds a ``follow`` record to the system: for every rate change after the first, how many steps
+after it the shares came within ``FOLLOW_TOLERANCE`` of the targets (max over servers of share /
+target <= 1.15; step 1 is the first step that ends after the change; null if never before the
+next change or the end of the run).  A step's time is when the rank-0 worker finished it
+(its ``BENCH_STEP`` line), on the same clock as the rate changes.
+
 Outputs in ``--out-dir``: ``bench.json`` (every raw step time, the rates applied, tc counters per
 server before/after and sampled during each run, the predicted bytes per server under MXNet's
-placement, CPU per process), ``step_times.png`` and ``bytes_per_server.png``.
+placement, CPU per process, the follow records), ``step_times.png``, ``bytes_per_server.png``,
+and per mxps system the metrics files and ``shares-<scenario>-<system>.png``.
 """
 import argparse
 import ipaddress
@@ -48,6 +69,10 @@ BENCH_JOB = os.path.join(jobs.REPO_ROOT, "examples", "bench_job.py")
 MODELS = ("resnet18_v1", "alexnet", "vgg11", "mlp")
 SCENARIOS = ("homogeneous", "static", "dynamic")
 QDISC_SAMPLE_SECONDS = 0.5
+#: A server is "following" when its share of the step's bytes is at most this times its target.
+FOLLOW_TOLERANCE = 1.15
+#: dynamic scenario: timed steps between moves of the slow link, unless --period (seconds)
+DEFAULT_PERIOD_STEPS = 8
 
 
 class BenchError(RuntimeError):
@@ -151,6 +176,82 @@ def _percentile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+# --------------------------------------------------------------------------- shares vs rates
+
+def is_mxps(system: System) -> bool:
+    return system.kvstore.startswith("mxps")
+
+
+def read_metrics(path):
+    """The JSON lines of one MXPS_METRICS file (a torn last line is skipped)."""
+    out = []
+    try:
+        with open(path) as f:
+            for ln in f:
+                try:
+                    out.append(json.loads(ln))
+                except ValueError:
+                    pass
+    except OSError:
+        return []
+    return out
+
+
+def step_ends_by_rank(worker_nodes):
+    """{worker rank: {step index (0-based, warm-up included): unix time it ended}} from the
+    workers' ``BENCH_STEP <rank> <step> <time>`` lines."""
+    out = {}
+    for n in worker_nodes:
+        for ln in n.read("out").splitlines():
+            if ln.startswith("BENCH_STEP "):
+                parts = ln.split()
+                if len(parts) == 4:
+                    out.setdefault(int(parts[1]), {})[int(parts[2])] = float(parts[3])
+    return out
+
+
+def targets(rates):
+    """Rate-proportional share per server (None if a rate is unknown or unshaped)."""
+    if not rates or any(r is None or r == float("inf") for r in rates) or sum(rates) <= 0:
+        return None
+    total = float(sum(rates))
+    return [r / total for r in rates]
+
+
+def share_ratio(shares, target):
+    """max over servers of share / target (the busiest server relative to its target)."""
+    if target is None or len(target) != len(shares):
+        return None
+    return max((s / t) if t > 0 else (float("inf") if s > 0 else 0.0)
+               for s, t in zip(shares, target))
+
+
+def follow_changes(steps, changes, tolerance=FOLLOW_TOLERANCE):
+    """For every change after the first: steps after it until max share/target <= tolerance.
+
+    ``steps``: [(time the step ended, shares per server)] in step order; ``changes``: [(time,
+    target shares per server, or None)] in time order, the first being the scenario's initial
+    rates.  Step 1 after a change is the first step that ends after it; a change not followed
+    before the next change (or the end of the run) gets ``steps`` None."""
+    out = []
+    for i in range(1, len(changes)):
+        t, tg = changes[i]
+        t_next = changes[i + 1][0] if i + 1 < len(changes) else float("inf")
+        after = [(t_end, sh) for t_end, sh in steps if t_end > t]
+        seen = [(t_end, sh) for t_end, sh in after if t_end <= t_next]
+        rec = {"t": t, "targets": tg, "steps": None, "seconds": None,
+               "steps_observed": len(seen),
+               "ratio_first": share_ratio(after[0][1], tg) if after else None}
+        if tg is not None:
+            for k, (t_end, sh) in enumerate(seen, 1):
+                r = share_ratio(sh, tg)
+                if r is not None and r <= tolerance:
+                    rec.update(steps=k, seconds=t_end - t, ratio=r)
+                    break
+        out.append(rec)
+    return out
+
+
 # --------------------------------------------------------------------------- one system run
 
 class _Run:
@@ -163,8 +264,11 @@ class _Run:
         self.rank_nodes = None         # node name per server rank
         self.rank_source = None
         self.scenario_applied_at = None
-        self.schedule = None
+        self.schedule = None           # the scenario's timed schedule (None: not applied yet)
+        self._schedules = []           # (RateSchedule, its events sorted by time)
+        self.step_events = []          # (timed steps of worker 0 done, {node: rate}) pending
         self.rate_log = []             # (wall, node, up, down)
+        self.rate_events = []          # (wall of its first change, {node: [up, down]})
         self.param_sizes = None
         self.samples = []              # (wall, {node: {'up': bytes, 'down': bytes}})
         self._next_sample = 0.0
@@ -174,7 +278,7 @@ class _Run:
     def on_poll(self, job):
         b = self.b
         now = time.time()
-        if self.param_sizes is None or b.pbar is not None:
+        if self.param_sizes is None or b.pbar is not None or self.step_events:
             self._follow_worker(job)
         if self.ranks is None:
             sched = job.node("sched")
@@ -188,7 +292,7 @@ class _Run:
                         "%s: the scheduler gave server ranks to %s, not %s as predicted when "
                         "the scenario's first rates were set before the start"
                         % (self.system.name, self.rank_nodes, predicted))
-                if b.topo is not None and self.schedule is None:
+                if b.topo is not None and self.scenario_applied_at is None:
                     self._apply_scenario()
         if b.topo is not None and now >= self._next_sample:
             self.samples.append((now, b.server_counters()))
@@ -207,9 +311,18 @@ class _Run:
         for line in chunk[:cut].splitlines():
             if line.startswith("BENCH_PARAMS ") and self.param_sizes is None:
                 self.param_sizes = json.loads(line.split(" ", 1)[1])
-            elif line.startswith("BENCH_STEP ") and self.b.pbar is not None:
+            elif line.startswith("BENCH_STEP "):
                 self._seen_steps += 1
-                self.b.pbar.update(1)
+                if self.b.pbar is not None:
+                    self.b.pbar.update(1)
+        self._fire_step_events()
+
+    def _fire_step_events(self):
+        """dynamic (step-driven): apply the moves due after worker 0's timed steps so far."""
+        timed = self._seen_steps - self.b.o.warmup
+        while self.step_events and self.step_events[0][0] <= timed:
+            _, changes = self.step_events.pop(0)
+            self._start_schedule([(0.0, changes)])
 
     def predict_ranks(self):
         """Server nodes in rank order, before the job starts: mxps's scheduler ranks servers by
@@ -246,16 +359,35 @@ class _Run:
     def _apply_scenario(self):
         b = self.b
         events = b.scenario_events(self)
+        self.step_events = b.scenario_step_events(self)
         self.scenario_applied_at = time.time()
         if events:
-            self.schedule = b.topo.run_schedule(events)
+            self.schedule = self._start_schedule(events)
+
+    def _start_schedule(self, events):
+        events = sorted(events, key=lambda e: e[0])      # as RateSchedule orders them
+        sched = self.b.topo.run_schedule(events)
+        self._schedules.append((sched, events))
+        return sched
 
     def finish(self):
-        if self.schedule is not None:
-            self.schedule.stop(raise_errors=False)
-            self.rate_log = [list(e) for e in self.schedule.log]
-            if self.schedule.errors:
-                raise BenchError("rate schedule failed: %s" % self.schedule.errors[0])
+        errors = []
+        for sched, events in self._schedules:
+            sched.stop(raise_errors=False)
+            errors += sched.errors
+            # the log has one entry per node changed, event by event: cut it back into events
+            log, pos = list(sched.log), 0
+            for _, changes in events:
+                chunk = log[pos:pos + len(changes)]
+                pos += len(changes)
+                if chunk:
+                    self.rate_events.append((chunk[0][0], {n: [u, d] for _, n, u, d in chunk}))
+            self.rate_log += [list(e) for e in log]
+        self.rate_log.sort(key=lambda e: e[0])
+        self.rate_events.sort(key=lambda e: e[0])
+        self.step_events = []
+        if errors:
+            raise BenchError("rate schedule failed: %s" % errors[0])
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -278,7 +410,8 @@ class Options:
     rate: float = 400.0
     slow_factor: float = 4.0
     slow_rank: str = "0"             # a rank, or "heaviest" (most bytes under MXNet's rule)
-    period: float = 30.0
+    period: Optional[float] = None   # dynamic: seconds between moves; None: by steps
+    period_steps: int = DEFAULT_PERIOD_STEPS
     schedule: Optional[list] = None
     timeout: float = 900.0
     out_dir: str = "mxps-bench-out"
@@ -324,15 +457,32 @@ class Bench:
         slow = o.rate / o.slow_factor
         if o.scenario == "static":
             return [(0.0, {run.rank_nodes[self.slow_rank(run)]: slow})]
+        if o.period is None:      # step-driven: the first rates now, the moves by steps
+            return [(0.0, self._dynamic_move(run, 0))]
         events, i = [], 0
-        S = o.num_servers
         while i * o.period <= o.timeout:
-            ch = {run.rank_nodes[i % S]: slow}
-            if i and S > 1:
-                ch[run.rank_nodes[(i - 1) % S]] = o.rate
-            events.append((i * o.period, ch))
+            events.append((i * o.period, self._dynamic_move(run, i)))
             i += 1
         return events
+
+    def scenario_step_events(self, run: _Run):
+        """dynamic without --period: [(timed steps of worker 0 done, {node: rate})], the
+        slow link's moves after every --period-steps timed steps."""
+        o = self.o
+        if o.schedule is not None or o.scenario != "dynamic" or o.period is not None:
+            return []
+        P = o.period_steps
+        return [(i * P, self._dynamic_move(run, i)) for i in range(1, (o.steps - 3) // P + 1)]
+
+    def _dynamic_move(self, run: _Run, i):
+        """The i-th rates of the dynamic scenario: server rank i mod S slow, the previous one
+        back at the full rate."""
+        o = self.o
+        S = o.num_servers
+        ch = {run.rank_nodes[i % S]: o.rate / o.slow_factor}
+        if i and S > 1:
+            ch[run.rank_nodes[(i - 1) % S]] = o.rate
+        return ch
 
     def slow_rank(self, run: _Run):
         if self.o.slow_rank != "heaviest":
@@ -370,12 +520,23 @@ class Bench:
         role_env = {"scheduler": {"PS_VERBOSE": "1", "MXPS_LOG_LEVEL": "INFO"}}
         run = _Run(self, system)
         log_dir = os.path.join(o.out_dir, "logs", system.name)
+        env = dict(system.env)
+        metrics_files = []
+        if is_mxps(system):
+            # one JSON line per step and worker (mxps.metrics); the files are appended to
+            pattern = os.path.join(os.path.abspath(o.out_dir), "metrics-%s-%s-{rank}.jsonl"
+                                   % (self.scenario_tag(), system.name))
+            metrics_files = [pattern.format(rank=r) for r in range(o.num_workers)]
+            for f in metrics_files:
+                if os.path.exists(f):
+                    os.remove(f)
+            env["MXPS_METRICS"] = pattern
         if self.topo is not None:
             self.reset_rates()
             before = self.server_counters()
         run.predict_ranks()
         job = jobs.Job(self.job_argv(system), o.num_workers, o.num_servers,
-                       env=dict(system.env), role_env=role_env, topo=self.topo,
+                       env=env, role_env=role_env, topo=self.topo,
                        timeout=o.timeout, log_dir=log_dir, on_poll=run.on_poll)
         try:
             res = job.run()
@@ -402,13 +563,115 @@ class Bench:
         rec["rank_source"] = run.rank_source or "not found in the scheduler log"
         rec["scenario_applied_at"] = run.scenario_applied_at
         rec["rate_log"] = run.rate_log
+        rec["rate_events"] = [[t, ch] for t, ch in run.rate_events]
         self._step_stats(rec, workers)
         self._cpu_stats(rec, res, workers)
         if self.topo is not None:
             rec["qdisc_before"], rec["qdisc_after"] = before, after
             rec["qdisc_samples"] = [[t, c] for t, c in run.samples]
             self._byte_stats(rec, workers, run, before, after)
+        if metrics_files:
+            self._follow_stats(rec, res, metrics_files)
         return rec
+
+    def scenario_tag(self):
+        o = self.o
+        if o.network != "emunet":
+            return "loopback"
+        return "schedule" if o.schedule is not None else o.scenario
+
+    def server_rates_at(self, rec, t):
+        """Each server rank's rate (Mbit/s, the lower of up/down; inf if unshaped) in force at
+        wall time ``t``: the base rate, then the rate changes applied up to ``t``."""
+        nodes = [x["node"] for x in rec["server_ranks"]]
+        cur = {n: self.o.rate for n in nodes}
+        for wall, ch in rec.get("rate_events", []):
+            if wall > t:
+                break
+            for n, (up, down) in ch.items():
+                if n in cur:
+                    vals = [v for v in (up, down) if v is not None]
+                    cur[n] = min(vals) if vals else float("inf")
+        return [cur[n] for n in nodes]
+
+    def _follow_stats(self, rec, res, metrics_files):
+        """Shares per step (worker rank 0's metrics) against the rate-proportional targets."""
+        t_ref = rec["job_started_at"]
+        follow = {"tolerance": FOLLOW_TOLERANCE, "metrics_files": metrics_files,
+                  "steps_after_change": [], "changes": [], "shares_png": None}
+        rec["follow"] = follow
+        present = [f for f in metrics_files if os.path.exists(f)]
+        follow["metrics_files_found"] = len(present)
+        lines = read_metrics(metrics_files[0]) if metrics_files[0] in present else []
+        if not lines:
+            follow["error"] = "worker rank 0 wrote no metrics lines (%s)" % metrics_files[0]
+            return
+        ends = step_ends_by_rank(res.workers).get(0, {})
+        steps = []
+        for x in lines:
+            # training step j (1-based, warm-up included) is BENCH_STEP j-1 of rank 0; its
+            # duration from the step ends (the metrics' step_seconds leave out the re-plan
+            # barrier and are null for some steps)
+            t_end, t_prev = ends.get(x["step"] - 1), ends.get(x["step"] - 2)
+            steps.append({"step": x["step"], "t": (t_end if t_end is not None else x["wall"]),
+                          "wall": x["wall"], "step_seconds": x["step_seconds"],
+                          "duration": (t_end - t_prev) if t_end is not None and
+                          t_prev is not None else x["step_seconds"],
+                          "plan_version": x["plan_version"],
+                          "migration_bytes": x.get("migration_bytes", 0),
+                          "shares": [sv["share"] for sv in sorted(x["servers"],
+                                                                 key=lambda sv: sv["server"])]})
+        follow["time_source"] = "rank 0's step ends" if ends else "metrics line wall time"
+        sums = [sum(st["shares"]) for st in steps]
+        follow["share_sums"] = [min(sums), max(sums)]
+        follow["steps"] = len(steps)
+        follow["plan_versions"] = sorted({st["plan_version"] for st in steps})
+        # a new plan is in force from a step on (the workers switch at its first push): mark
+        # it at that step's start, the end of the step before
+        follow["plan_changes"] = [a["t"] - t_ref for a, st in zip(steps, steps[1:])
+                                  if st["plan_version"] != a["plan_version"]]
+        have_rates = self.topo is not None and rec.get("server_ranks") and \
+            len(rec["server_ranks"]) == len(steps[0]["shares"])
+        if have_rates:
+            changes = [(wall, targets(self.server_rates_at(rec, wall)))
+                       for wall, _ in rec.get("rate_events", [])]
+            res_changes = follow_changes([(st["t"], st["shares"]) for st in steps],
+                                         changes, FOLLOW_TOLERANCE)
+            for c in res_changes:
+                c["t"] -= t_ref
+            follow["changes"] = res_changes
+            follow["steps_after_change"] = [c["steps"] for c in res_changes]
+            last = steps[-1]
+            tg = targets(self.server_rates_at(rec, last["t"]))
+            follow["final_ratio"] = share_ratio(last["shares"], tg)
+        rec["shares_per_step"] = {
+            "columns": ["step", "t", "seconds", "plan_version", "migration_bytes", "shares"],
+            "rows": [[st["step"], st["t"] - t_ref, st["duration"], st["plan_version"],
+                      st["migration_bytes"], st["shares"]] for st in steps]}
+        if self.o.plots:
+            from . import plot as plotmod
+            path = os.path.join(self.o.out_dir, "shares-%s-%s.png" % (self.scenario_tag(),
+                                                                     rec["name"]))
+            target_steps = []
+            if have_rates:
+                for wall in [t_ref] + [w for w, _ in rec.get("rate_events", [])]:
+                    target_steps.append((max(wall, t_ref) - t_ref,
+                                         targets(self.server_rates_at(rec, wall))))
+            plotmod.shares_over_time(
+                path, title="%s, %s: each server's share of the bytes per step (worker rank "
+                            "0) and the rate-proportional target" % (rec["name"],
+                                                                     self.scenario_tag()),
+                t=[st["t"] - t_ref for st in steps], shares=[st["shares"] for st in steps],
+                step_seconds=[st["duration"] for st in steps],
+                targets=target_steps,
+                rate_changes=[(w - t_ref, ", ".join(
+                    "%s %s" % (n, "%g" % min(v for v in ud if v is not None)
+                               if any(v is not None for v in ud) else "unshaped")
+                    for n, ud in sorted(ch.items()))) for w, ch in rec.get("rate_events", [])],
+                plan_changes=follow["plan_changes"],
+                labels=["rank %d (%s)" % (x["rank"], x["node"]) for x in rec["server_ranks"]]
+                if have_rates else None)
+            follow["shares_png"] = path
 
     def _step_stats(self, rec, workers):
         steps = [t for w in workers for t in w["step_seconds"]]
@@ -560,11 +823,14 @@ def format_table(summary) -> str:
     lines = []
     if emu:
         sc = "--schedule" if o["schedule"] is not None else o["scenario"]
-        lines.append("scenario %s: %d workers x %d servers, %s, links %g Mbit/s%s"
+        lines.append("scenario %s: %d workers x %d servers, %s, links %g Mbit/s%s%s"
                      % (sc, o["num_workers"], o["num_servers"], o["model"], o["rate"],
                         "" if sc == "homogeneous" else
                         ", slow link %g Mbit/s (R/%g)" % (o["rate"] / o["slow_factor"],
-                                                          o["slow_factor"])))
+                                                          o["slow_factor"]),
+                        "" if sc != "dynamic" else
+                        ", moving every %g s" % o["period"] if o.get("period") is not None
+                        else ", moving every %d timed steps" % o.get("period_steps", 0)))
     else:
         lines.append("loopback (127.0.0.1, no shaping): %d workers x %d servers, %s"
                      % (o["num_workers"], o["num_servers"], o["model"]))
@@ -604,6 +870,26 @@ def format_table(summary) -> str:
             lines.append("  %-14s %s" % (r["name"], "  ".join(cells)))
         lines.append("  (* = link changed by the scenario; rank->node read from %s)"
                      % ok[0].get("rank_source"))
+    fol = [r for r in ok if r.get("follow")]
+    if fol:
+        lines.append("")
+        lines.append("shares of the bytes per step vs rate-proportional targets (worker rank 0's "
+                     "metrics; within %.0f%%: max share/target <= %g)"
+                     % (100 * (FOLLOW_TOLERANCE - 1), FOLLOW_TOLERANCE))
+        for r in fol:
+            f = r["follow"]
+            if f.get("error"):
+                lines.append("  %-14s %s" % (r["name"], f["error"]))
+                continue
+            fmt = lambda c: "never/%d" % c["steps_observed"] if c["steps"] is None \
+                else str(c["steps"])   # noqa: E731
+            lines.append("  %-14s within %.0f%% of target N steps after each change: [%s]; "
+                         "share/target at the end %s; plan versions %s" % (
+                             r["name"], 100 * (FOLLOW_TOLERANCE - 1),
+                             ", ".join(fmt(c) for c in f["changes"]),
+                             "%.2f" % f["final_ratio"] if f.get("final_ratio") is not None
+                             else "-",
+                             "-".join(str(v) for v in f["plan_versions"])))
     if ok:
         lines.append("")
         lines.append("CPU during the timed steps, %% of one core (machine: %d cores, %% of all)"
@@ -697,7 +983,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--mlp-hidden", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per system")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per system (default 8; dynamic: 4 x --period-steps)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compute-steps", type=int, default=3,
                    help="compute-only steps per worker (for the bound)")
@@ -705,15 +992,23 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--slow-factor", type=float, default=4.0, help="k: the slow link is R/k")
     p.add_argument("--slow-rank", default="0", help="server rank made slow (static), or "
                    "'heaviest' (most bytes under MXNet's placement)")
-    p.add_argument("--period", type=float, default=30.0,
-                   help="dynamic: seconds before the slow link moves to the next server")
+    p.add_argument("--period-steps", type=int, default=DEFAULT_PERIOD_STEPS,
+                   help="dynamic: the slow link moves to the next server rank after every this "
+                        "many timed steps of worker 0 (every system sees the same moves at the "
+                        "same steps), until 3 steps before the end; the run has 4x this many "
+                        "timed steps (at least 3x + 3: three moves) unless --steps is given")
+    p.add_argument("--period", type=float, default=None, metavar="SECONDS",
+                   help="dynamic: move the slow link every SECONDS from the job's start instead "
+                        "(the run still ends after --steps steps, so a fast system may see "
+                        "fewer than 3 moves)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per system")
     p.add_argument("--out-dir", default="mxps-bench-out")
     p.add_argument("--netns-prefix", default="mxps-", help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quick", action="store_true",
-                   help="2 workers x 2 servers, static, a small MLP, few steps (< 3 min)")
+                   help="2 workers x 2 servers, static, a small MLP, few steps (< 3 min; "
+                        "with --scenario dynamic 4 x --period-steps steps)")
 
 
 def options_from_args(a) -> Options:
@@ -721,8 +1016,10 @@ def options_from_args(a) -> Options:
                 systems=[s.strip() for s in a.systems.split(",") if s.strip()],
                 num_workers=a.num_workers, num_servers=a.num_servers, model=a.model,
                 mlp_hidden=a.mlp_hidden, batch_size=a.batch_size, image_size=a.image_size,
-                steps=a.steps, warmup=a.warmup, compute_steps=a.compute_steps, rate=a.rate,
+                steps=Options.steps if a.steps is None else a.steps, warmup=a.warmup,
+                compute_steps=a.compute_steps, rate=a.rate,
                 slow_factor=a.slow_factor, slow_rank=a.slow_rank, period=a.period,
+                period_steps=a.period_steps,
                 timeout=a.timeout, out_dir=a.out_dir, netns_prefix=a.netns_prefix,
                 progress=not a.no_progress, plots=not a.no_plots)
     if a.quick:
@@ -743,6 +1040,19 @@ def options_from_args(a) -> Options:
         except (OSError, ValueError, AssertionError, TypeError) as exc:
             raise BenchError("--schedule %s: expected a JSON list of [t, {node: Mbit/s}] "
                              "(%s)" % (a.schedule, exc)) from None
+    by_steps = o.scenario == "dynamic" and o.schedule is None and o.period is None
+    if by_steps:
+        if o.period_steps < 1:
+            raise BenchError("--period-steps must be at least 1")
+        if a.steps is None:
+            o.steps = max(4 * o.period_steps, 3 * o.period_steps + 3)
+        elif o.steps < 3 * o.period_steps + 3:
+            raise BenchError("dynamic: --steps %d gives fewer than 3 moves of the slow link "
+                             "with --period-steps %d; use --steps %d or more (or a smaller "
+                             "--period-steps)" % (o.steps, o.period_steps,
+                                                  3 * o.period_steps + 3))
+    if o.period is not None and o.period <= 0:
+        raise BenchError("--period must be positive seconds")
     for s in o.systems:
         system_by_name(s)
     if o.num_workers < 1 or o.num_servers < 1 or o.steps < 1:
@@ -766,6 +1076,8 @@ def main(a) -> int:
         json.dump(summary, f, indent=1)
     plots = plot(summary, opts.out_dir) if opts.plots else []
     print(format_table(summary))
+    plots += [r["follow"]["shares_png"] for r in summary["systems"]
+              if r.get("follow", {}).get("shares_png")]
     print("\nraw data: %s%s" % (path, "".join("\nplot: " + p for p in plots)))
     for r in summary["systems"]:
         if r.get("available", True) and not r.get("ok"):

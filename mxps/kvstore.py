@@ -351,6 +351,7 @@ class MXPS(KVStoreBase):
             table = self._plan.table()
             report["table"] = plan_mod.table_to_json({i: table[i] for i in ids})
         answer = self._client.replan(report)
+        self._metrics.agreed = answer.get("rates")
         if answer.get("table") is None:
             return
         self._plan = self._plan.replaced(answer["version"],

@@ -2,14 +2,16 @@
 
 A *step* is one round of the keys (the workers' per-key push count).  For every finished round
 the worker writes one line: wall time, step seconds (between the first requests of consecutive
-rounds), the plan version, and per server: bytes moved (pushed + pulled), the busy span (first
-request sent to last reply received), the rate bytes/span, its smoothed estimate, and the share
-of the round's bytes.  A round is finished when the next-but-one starts: in synchronous training
+rounds), the plan version in force, the bytes the servers moved before the round for a new plan
+(``migration_bytes``), and per server: bytes moved (pushed + pulled), the busy span (first
+request sent to last reply received), the rate bytes/span, its smoothed estimate, the share
+of the round's bytes, and with live re-planning the scheduler's estimate (``rate_agreed``, all
+workers' traffic, see ``adaptive.Replanner``).  A round is finished when the next-but-one starts: in synchronous training
 every operation of round r has completed before any key's round r+1 is launched (the next
 forward reads the weights round r wrote), and the extra round of slack covers update-on-workers
 and async use.
 
-The estimate: an EWMA (``alpha``) of each server's per-round rate, skipping rounds where a server
+The worker's own estimate: an EWMA (``alpha``) of each server's per-round rate, skipping rounds where a server
 moved too few bytes to time (under 64 KB), and clipping a round to at most 3x / at least 1/3
 of the current estimate so that one noisy round cannot swing it.
 """
@@ -51,6 +53,7 @@ class StepMetrics:
         self.recent = {}
         self.versions = [(1, plan_version)]   # (first round, plan version), in round order
         self.migrations = {}                  # round -> bytes the servers moved before it
+        self.agreed = None                    # the scheduler's rate estimates (re-planning)
         self._file = open(path, "a") if path else None
 
     def new_plan(self, first_round, version, moved_bytes):
@@ -100,6 +103,8 @@ class StepMetrics:
         est = self.estimate.update(rates)
         for s, rec in enumerate(servers):
             rec["rate_estimate"] = est[s]
+            if self.agreed:
+                rec["rate_agreed"] = self.agreed[s]
         start, nxt = self.first_send.pop(r, None), self.first_send.get(r + 1)
         line = {"step": r, "wall": time.time(), "rank": self.client.rank,
                 "step_seconds": (nxt - start) if start is not None and nxt is not None else None,

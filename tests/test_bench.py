@@ -1,8 +1,10 @@
 """``mxps bench``: the harness runs native and mxps on an emulated network and cleans up.
 
-One 2-worker x 2-server ``static`` run (a small MLP, few steps) of native dist_sync and
-mxps-default is shared by the tests that read its JSON; another run is SIGKILLed mid-way to show
-that nothing survives ``emunet.cleanup_stale``.  Needs root (network namespaces).
+One 2-worker x 2-server ``static`` run (a small MLP, few steps) of native dist_sync,
+mxps-default and mxps-adaptive is shared by the tests that read its JSON; a short ``dynamic``
+run of mxps-default (the slow link moving every 2 steps) is shared by the tests of the moves,
+the metrics files and the shares plot; another run is SIGKILLed mid-way to show that nothing
+survives ``emunet.cleanup_stale``.  Needs root (network namespaces).
 """
 import json
 import os
@@ -62,7 +64,65 @@ def static_run(tmp_path_factory):
     return {"summary": summary, "stdout": p.stdout, "wall": wall, "out": out}
 
 
+@pytest.fixture(scope="module")
+def dynamic_run(tmp_path_factory):
+    """mxps-default, dynamic, the slow link moving after timed steps 2, 4 and 6 of 9, plots on."""
+    out = tmp_path_factory.mktemp("bench_dynamic")
+    cmd = [sys.executable, "-m", "mxps.cli", "bench", "--out-dir", str(out), "--quick",
+           "--scenario", "dynamic", "--period-steps", "2", "--steps", "9", "--warmup", "1",
+           "--compute-steps", "1", "--rate", "200", "--no-progress", "--netns-prefix", PREFIX,
+           "--systems", "mxps-default"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    assert p.returncode == 0, "bench failed (rc %s):\n%s\n%s" % (p.returncode, p.stdout,
+                                                               p.stderr[-4000:])
+    with open(out / "bench.json") as f:
+        summary = json.load(f)
+    return {"summary": summary, "stdout": p.stdout, "out": out}
+
+
+def _metrics_lines(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
 # --------------------------------------------------------------------------- pure functions
+
+def test_follow_counts_steps_from_the_first_step_that_ends_after_each_change():
+    steps = [(1.0, [0.5, 0.5]), (2.0, [0.5, 0.5]),                   # before the move
+             (3.0, [0.5, 0.5]), (4.0, [0.3, 0.7]), (5.0, [0.22, 0.78]),   # 1, 2, 3 after it
+             (6.0, [0.8, 0.2]),                                        # after the second move
+             (7.0, [0.8, 0.2])]
+    changes = [(0.0, [0.5, 0.5]), (2.5, [0.2, 0.8]), (5.5, [0.5, 0.5])]
+    out = bench.follow_changes(steps, changes, tolerance=1.15)
+    assert [c["steps"] for c in out] == [3, None]     # 0.78 / 0.8 and 0.22 / 0.2 = 1.1
+    assert out[0]["seconds"] == pytest.approx(2.5) and out[0]["ratio"] == pytest.approx(1.1)
+    assert out[0]["steps_observed"] == 3 and out[1]["steps_observed"] == 2
+    assert out[1]["ratio_first"] == pytest.approx(1.6)
+    # a change not followed before the next one is never followed (no credit for later steps)
+    out = bench.follow_changes(steps, [(0.0, None), (2.5, [0.2, 0.8]), (4.5, [0.5, 0.5])])
+    assert [c["steps"] for c in out] == [None, None]
+    assert bench.targets([100.0, 300.0]) == [0.25, 0.75]
+    assert bench.targets([100.0, float("inf")]) is None
+    assert bench.share_ratio([0.5, 0.5], [0.25, 0.75]) == pytest.approx(2.0)
+
+
+def test_dynamic_runs_by_steps_with_three_moves_unless_given_seconds():
+    import argparse
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    o = bench.options_from_args(p.parse_args(["--quick", "--scenario", "dynamic"]))
+    assert o.period is None and o.steps == 4 * bench.DEFAULT_PERIOD_STEPS
+    o = bench.options_from_args(p.parse_args(["--scenario", "dynamic", "--period-steps", "3",
+                                              "--steps", "12"]))
+    assert o.steps == 12
+    with pytest.raises(bench.BenchError, match="fewer than 3 moves"):
+        bench.options_from_args(p.parse_args(["--scenario", "dynamic", "--period-steps", "3",
+                                              "--steps", "11"]))
+    o = bench.options_from_args(p.parse_args(["--scenario", "dynamic", "--period", "30"]))
+    assert o.period == 30.0 and o.steps == 8
+    # static keeps its steps
+    assert bench.options_from_args(p.parse_args(["--quick"])).steps == 8
+
 
 def test_server_ranks_are_read_from_native_and_mxps_scheduler_logs():
     native = ("[x] van.cc:70: assign rank=9 to node role=worker, ip=198.18.0.4, port=1, x\n"
@@ -156,6 +216,69 @@ def test_a_finished_run_leaves_no_namespace_or_process(static_run):
     for r in static_run["summary"]["systems"]:
         for c in r.get("cpu", {}).values():
             assert not _alive(c["pid"]), c
+
+
+@needs_root
+def test_mxps_runs_write_metrics_and_a_follow_record(static_run):
+    by = {r["name"]: r for r in static_run["summary"]["systems"]}
+    assert "follow" not in by["native"]
+    for name in ("mxps-default", "mxps-adaptive"):
+        f = by[name]["follow"]
+        assert f["metrics_files_found"] == 2 and "error" not in f, f
+        for rank, path in enumerate(f["metrics_files"]):
+            lines = _metrics_lines(path)
+            # one line per finished step (the last steps are written once the next starts)
+            assert 1 <= len(lines) <= 1 + 4 and all(x["rank"] == rank for x in lines)
+            for x in lines:
+                assert sum(s["share"] for s in x["servers"]) == pytest.approx(1.0)
+                assert sorted(s["server"] for s in x["servers"]) == [0, 1]
+        assert f["share_sums"][0] == pytest.approx(1.0) and f["share_sums"][1] == \
+            pytest.approx(1.0)
+        # static: one rate setting before the first step, so no change to follow
+        assert f["steps_after_change"] == [] and f["changes"] == []
+        assert f["final_ratio"] >= 1.0 and f["shares_png"] is None     # --no-plots
+        assert f["time_source"] == "rank 0's step ends"
+    # MXNet's placement puts ~0.43 of the bytes on the slow server, whose target is 0.2
+    assert by["mxps-default"]["follow"]["final_ratio"] > 1.5
+    assert "within 15% of target" in static_run["stdout"]
+
+
+@needs_root
+def test_dynamic_moves_the_slow_link_by_steps_and_plots_the_shares(dynamic_run):
+    s = dynamic_run["summary"]
+    r = s["systems"][0]
+    assert r["ok"], r.get("failure")
+    assert s["options"]["steps"] == 9 and len(r["workers"][0]["step_seconds"]) == 9
+    nodes = [x["node"] for x in r["server_ranks"]]
+    # the first rates before the start, then three moves: rank 1, 0, 1 slow in turn
+    ev = r["rate_events"]
+    assert [sorted(n for n, ud in ch.items() if ud[0] == 50.0) for _, ch in ev] == \
+        [[nodes[0]], [nodes[1]], [nodes[0]], [nodes[1]]]
+    f = r["follow"]
+    assert len(f["steps_after_change"]) == 3 and len(f["changes"]) == 3
+    # every move lands after timed step 2k of worker 0, before the next step ends (the
+    # metrics have every step but the last two: training steps 1..8 here)
+    rows = {row[0]: row[1] for row in r["shares_per_step"]["rows"]}
+    warmup = s["options"]["warmup"]
+    assert sorted(rows)[:8] == list(range(1, 9))
+    for k, c in enumerate(f["changes"], 1):
+        assert rows[warmup + 2 * k] < c["t"] < rows[warmup + 2 * k + 1], (k, c, rows)
+        assert c["steps_observed"] >= 1
+        assert c["targets"] == pytest.approx([0.8, 0.2] if k % 2 else [0.2, 0.8])
+    # MXNet's placement does not move: it never comes within 15% of a moved target
+    assert f["steps_after_change"] == [None, None, None]
+    assert f["plan_versions"] == [0] and f["plan_changes"] == []
+    for path in f["metrics_files"]:
+        for x in _metrics_lines(path):
+            assert sum(sv["share"] for sv in x["servers"]) == pytest.approx(1.0)
+    for row in r["shares_per_step"]["rows"]:
+        assert sum(row[-1]) == pytest.approx(1.0) and (row[2] is None or row[2] > 0)
+    png = f["shares_png"]
+    assert os.path.basename(png) == "shares-dynamic-mxps-default.png"
+    with open(png, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.exists(dynamic_run["out"] / "step_times.png")
+    assert "never/" in dynamic_run["stdout"] and png in dynamic_run["stdout"]
 
 
 @needs_root
