@@ -536,8 +536,10 @@ class Replanner:
     moved through each server in a round, and from its first request to its last reply).  A
     round's rate of a server is the bytes all workers moved through it over the slowest
     worker's busy span (as the start-up probe); rounds where a server moved under 64 KB are
-    not timed.  The estimate is the median of the last ``window`` timed rounds: one noisy
-    round cannot move it, a real change shows after ``window // 2 + 1`` rounds.  Until a
+    not timed.  The estimate is the median of the last ``window`` timed rounds (one noisy
+    round cannot move it); two rounds in a row beyond 1.5x of the round before them, on the
+    same side, are a change of the link: the rounds before the change are forgotten, so the
+    estimate is the two new rounds' mean, not a median half made of the old network.  Until a
     server is timed it keeps its start-up probe rate (``rates``), or the lowest known rate.
 
     ``decide`` proposes ``split_table`` with the estimated rates and adopts it when the
@@ -572,6 +574,7 @@ class Replanner:
                 span = max(p[s][1] for p in per)
                 rates.append(nbytes / span if nbytes >= self.MIN_BYTES and span > 0 else None)
             self.window.append(rates)
+            self._forget_before_a_change()
         est = list(self.rates) if self.rates else [None] * self.num_servers
         for s in range(self.num_servers):
             xs = sorted(w[s] for w in self.window if w[s] is not None)
@@ -582,6 +585,21 @@ class Replanner:
         if known:
             self.rates = [x if x else min(known) for x in est]
         return self.rates
+
+    def _forget_before_a_change(self, factor=1.5):
+        # two rounds in a row that put a server's rate beyond ``factor`` of the oldest round's,
+        # on the same side, are a change of the link, not noise: forget what came before them
+        if len(self.window) < 3:
+            return
+        old, a, b = self.window[-3], self.window[-2], self.window[-1]
+        for s in range(self.num_servers):
+            if None in (old[s], a[s], b[s]):
+                continue
+            if (a[s] > factor * old[s] and b[s] > factor * old[s]) or \
+                    (a[s] * factor < old[s] and b[s] * factor < old[s]):
+                for _ in range(len(self.window) - 2):
+                    self.window.popleft()
+                return
 
     def decide(self, keys, old, version, round_=0, min_slice=DEFAULT_MIN_SLICE, force=False,
                min_gain=0.05, horizon=20):

@@ -38,7 +38,7 @@ class Config:
     probe_bytes: int = 4 * 1024 * 1024
     min_slice: int = 16384
     metrics: str = ""
-    replan_interval: int = 2
+    replan_interval: int = 1
     replan_force: bool = False
     replan_min_gain: float = 0.05
     replan_horizon: int = 20
@@ -142,7 +142,7 @@ def from_env(env=None, mode=None):
         probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
         min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
         metrics=_get(env, "MXPS_METRICS", ""),
-        replan_interval=_int(env, "MXPS_REPLAN_INTERVAL", 2, minimum=0),
+        replan_interval=_int(env, "MXPS_REPLAN_INTERVAL", 1, minimum=0),
         replan_force=_bool(env, "MXPS_REPLAN_FORCE"),
         replan_min_gain=_float(env, "MXPS_REPLAN_MIN_GAIN", 0.05),
         replan_horizon=_int(env, "MXPS_REPLAN_HORIZON", 20, minimum=1),

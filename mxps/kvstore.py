@@ -86,6 +86,8 @@ def _install_exit_hooks(client):
             return
         try:
             mx.nd.waitall()
+            for fn in client.at_finish:      # e.g. the metrics of the last rounds
+                fn()
         finally:
             client.finish()
 
@@ -164,6 +166,8 @@ class MXPS(KVStoreBase):
                 "%s.worker%d" % (path, self.rank)
         self._metrics = StepMetrics(self._client, path, self._plan.version, self.server_rates,
                                     keep=self._cfg.replanning)
+        if path:
+            self._client.at_finish.append(lambda: self._metrics.flush(self._round + 1))
         # live re-planning: every MXPS_REPLAN_INTERVAL rounds, before the round's first
         # operation, this worker waits until it has nothing in flight and asks the scheduler
         self._round = 0

@@ -4,16 +4,17 @@ A *step* is one round of the keys (the workers' per-key push count).  For every 
 the worker writes one line: wall time, step seconds (between the first requests of consecutive
 rounds), the plan version in force, the bytes the servers moved before the round for a new plan
 (``migration_bytes``), and per server: bytes moved (pushed + pulled), the busy span (first
-request sent to last reply received), the rate bytes/span, its smoothed estimate, the share
-of the round's bytes, and with live re-planning the scheduler's estimate (``rate_agreed``, all
-workers' traffic, see ``adaptive.Replanner``).  A round is finished when the next-but-one starts: in synchronous training
-every operation of round r has completed before any key's round r+1 is launched (the next
-forward reads the weights round r wrote), and the extra round of slack covers update-on-workers
-and async use.
+request sent to last reply received), the rate bytes/span, its smoothed estimate, the share of
+the round's bytes, and with live re-planning the scheduler's estimate (``rate_agreed``, from
+all workers' traffic, see ``adaptive.Replanner``).  A round is finished when the next-but-one
+starts: in synchronous training every operation of round r has completed before any key's
+round r+1 is launched (the next forward reads the weights round r wrote), and the extra round
+of slack covers update-on-workers and async use.  At a re-plan point (nothing in flight) and
+at a clean exit every round so far is written.
 
-The worker's own estimate: an EWMA (``alpha``) of each server's per-round rate, skipping rounds where a server
-moved too few bytes to time (under 64 KB), and clipping a round to at most 3x / at least 1/3
-of the current estimate so that one noisy round cannot swing it.
+The worker's own estimate: an EWMA (``alpha``) of each server's per-round rate, skipping rounds
+where a server moved too few bytes to time (under 64 KB), and clipping a round to at most 3x /
+at least 1/3 of the current estimate so that one noisy round cannot swing it.
 """
 import json
 import time

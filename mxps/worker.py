@@ -67,6 +67,7 @@ class Client:
         self._stopped = threading.Event()
         self._sleeping = True
         self._finished = False
+        self.at_finish = []       # callables run at a clean exit, once MXNet's engine is idle
         # per round (the workers' push count): per server [bytes, first send, last reply],
         # for the bandwidth estimate (mxps.metrics); the I/O thread writes, others take rounds
         self.traffic = {}

@@ -503,3 +503,12 @@ def test_replanner_hysteresis_ignores_a_gain_under_min_gain():
     rp.rates = [2e7, 4e7, 4e7, 4e7]
     assert rp.decide(keys, even, 1, horizon=1) is None
     assert rp.decide(keys, even, 1, horizon=20) is not None
+
+
+def test_replanner_forgets_the_rounds_before_a_change_of_the_link():
+    rp = Replanner(2, 1)
+    rp.observe([{r: [[1e6, 0.1], [1e6, 0.1]] for r in (1, 2, 3)}])        # 10 MB/s each
+    rp.observe([{4: [[1e6, 0.4], [1e6, 0.1]], 5: [[1e6, 0.5], [1e6, 0.1]]}])
+    # server 0 dropped to 2.5 and 2 MB/s: the estimate is their mean, not a median with the
+    # old 10 MB/s round
+    assert rp.rates == pytest.approx([2.25e6, 1e7])

@@ -191,7 +191,8 @@ def test_adaptive_placement_puts_fewer_bytes_on_the_slow_server(static_run):
         total = sum(b["in_per_step"] for b in r["bytes_per_server"])
         return sum(b["in_per_step"] for b in r["bytes_per_server"] if b["node"] == slow) / total
 
-    default, adaptive = slow_server_share(by["mxps-default"]), slow_server_share(by["mxps-adaptive"])
+    default = slow_server_share(by["mxps-default"])
+    adaptive = slow_server_share(by["mxps-adaptive"])
     # the slow link has 1/4 of the others' rate: a proportional share is 1/5 of the bytes,
     # MXNet's placement gives it ~0.43 here; the probe's estimate is good to ~±20%
     assert adaptive < 0.32 < default, (default, adaptive)
