@@ -497,7 +497,7 @@ def should_replan(previous, proposal, bandwidths, move_cost_s_per_byte, horizon_
 
 # --- live re-planning -----------------------------------------------------------------------
 
-def split_table(keys, bandwidths, min_slice=DEFAULT_MIN_SLICE):
+def split_table(keys, bandwidths, min_slice=DEFAULT_MIN_SLICE, max_chunk=0):
     """The table ``ProportionalRule`` builds for ``keys`` (``[(key, elements), ...]`` in the
     order the workers initialised them) with these bandwidths: every key of at least
     ``2 * min_slice`` elements cut over the servers in proportion to what each lacks of its
@@ -508,20 +508,25 @@ def split_table(keys, bandwidths, min_slice=DEFAULT_MIN_SLICE):
     every server at once, so each server's traffic is spread over the whole step (the step
     waits for no single server's queue of whole keys) and each server's measured rate reflects
     its link rather than when its keys' gradients happen to be ready.
+
+    With ``max_chunk`` each server's part of a key is cut further into chunks of at most that
+    many elements (``ProportionalRule``), so that the table may hold several consecutive slices
+    of a key on one server.
     """
     b = _check_bandwidths(bandwidths)
-    rule = ProportionalRule(b, min_slice)
+    rule = ProportionalRule(b, min_slice, max_chunk)
     return {key: rule(key, n, len(b), None) for key, n in keys}
 
 
-def forced_table(keys, num_servers, version, min_slice=DEFAULT_MIN_SLICE):
+def forced_table(keys, num_servers, version, min_slice=DEFAULT_MIN_SLICE, max_chunk=0):
     """A table that differs from the one of ``version - 1`` (for tests of live re-planning):
     a split by pseudo-random bandwidths drawn from ``version`` (so cut points change), its
     servers rotated so that the first element of the first non-empty key sits on server
     ``version % num_servers`` (so with two servers or more, something moves every version)."""
     import random
     rng = random.Random(version)
-    table = split_table(keys, [rng.uniform(1.0, 4.0) for _ in range(num_servers)], min_slice)
+    table = split_table(keys, [rng.uniform(1.0, 4.0) for _ in range(num_servers)], min_slice,
+                        max_chunk)
     first = next((table[k][0].server for k, n in keys if n > 0), 0)
     shift = (version - first) % num_servers
     return {k: tuple(Slice((s.server + shift) % num_servers, s.offset, s.length)
@@ -602,17 +607,17 @@ class Replanner:
                 return
 
     def decide(self, keys, old, version, round_=0, min_slice=DEFAULT_MIN_SLICE, force=False,
-               min_gain=0.05, horizon=20):
+               min_gain=0.05, horizon=20, max_chunk=0):
         """The table to switch to at this point, or None to keep ``old``.  ``keys``:
         ``[(key, elements), ...]`` in initialisation order; ``version``: the new plan's."""
         if force:
             log.info("re-plan %d at round %d (forced)", version, round_)
-            return forced_table(keys, self.num_servers, version, min_slice)
+            return forced_table(keys, self.num_servers, version, min_slice, max_chunk)
         if not self.rates or not keys:
             return None
         # held bytes per second: every worker pushes and pulls every byte a server holds
         b = [r / (2.0 * self.num_workers) for r in self.rates]
-        proposal = split_table(keys, b, min_slice)
+        proposal = split_table(keys, b, min_slice, max_chunk)
         if proposal == {k: tuple(old[k]) for k in proposal if k in old}:
             return None
         try:

@@ -37,11 +37,14 @@ class Config:
     plan: str = "default"
     probe_bytes: int = 4 * 1024 * 1024
     min_slice: int = 16384
+    max_chunk: int = 262144
+    send_window: int = 512 << 10
     metrics: str = ""
     replan_interval: int = 1
     replan_force: bool = False
     replan_min_gain: float = 0.05
     replan_horizon: int = 20
+    trace: str = ""
 
     @property
     def replanning(self):
@@ -141,11 +144,14 @@ def from_env(env=None, mode=None):
         plan=plan,
         probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
         min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
+        max_chunk=_int(env, "MXPS_MAX_CHUNK", 262144, minimum=0),
+        send_window=_int(env, "MXPS_SEND_WINDOW", 512 << 10, minimum=1),
         metrics=_get(env, "MXPS_METRICS", ""),
         replan_interval=_int(env, "MXPS_REPLAN_INTERVAL", 1, minimum=0),
         replan_force=_bool(env, "MXPS_REPLAN_FORCE"),
         replan_min_gain=_float(env, "MXPS_REPLAN_MIN_GAIN", 0.05),
         replan_horizon=_int(env, "MXPS_REPLAN_HORIZON", 20, minimum=1),
+        trace=_get(env, "MXPS_TRACE", ""),
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)

@@ -155,7 +155,7 @@ class MXPS(KVStoreBase):
             # bandwidth-proportional placement from a start-up probe (issue #4, first step:
             # the plan is fixed once the keys are initialised; live re-planning comes next)
             self.server_rates = self._client.agree_rates(self._cfg.probe_bytes)
-            rule = ProportionalRule(self.server_rates, self._cfg.min_slice)
+            rule = ProportionalRule(self.server_rates, self._cfg.min_slice, self._cfg.max_chunk)
             log.info("worker %d: server rates (MB/s) %s", self.rank,
                      " ".join("%.1f" % (r / 1e6) for r in self.server_rates))
         self._plan = Plan(self._client.num_servers, bigarray_bound=self._cfg.bigarray_bound,
@@ -293,6 +293,7 @@ class MXPS(KVStoreBase):
         what = "%s of key %r" % (MsgType(msg).name.lower(), k.name)
         plan_version = self._plan.version
         slices = k.slices              # the placement when the op is issued, not when it runs
+        sync = self._cfg.sync
 
         def run(completion):
             sview = numpy_view(src) if src is not None else None
@@ -302,7 +303,10 @@ class MXPS(KVStoreBase):
                 completion()
                 self._op_done()
 
-            countdown = _Countdown(len(slices), done, what, client.link)
+            # sync: a PUSHPULL goes as a PULL (answered when the round is complete) and a
+            # PUSH that waits its turn in the I/O thread's per-server priority queue
+            split = msg == MsgType.PUSHPULL and sync
+            countdown = _Countdown(len(slices) * (2 if split else 1), done, what, client.link)
 
             def on_reply(h, payload):
                 if dview is not None and h.type == MsgType.DATA:
@@ -311,11 +315,16 @@ class MXPS(KVStoreBase):
                 countdown(h, payload)
 
             for s in slices:
-                h = Header(msg, key=k.id, iteration=it, plan_version=plan_version,
-                           offset=s.offset, length=s.length,
+                if split:
+                    client.submit(s.server, Header(
+                        MsgType.PULL, key=k.id, iteration=it, plan_version=plan_version,
+                        offset=s.offset, length=s.length), None, on_reply)
+                h = Header(MsgType.PUSH if split else msg, key=k.id, iteration=it,
+                           plan_version=plan_version, offset=s.offset, length=s.length,
                            dtype=k.code if sview is not None else wire.NO_DTYPE)
                 client.submit(s.server, h, sview[s.offset:s.stop] if sview is not None
-                              else None, on_reply)
+                              else None, on_reply,
+                              priority if sync and h.type == MsgType.PUSH else None)
 
         with self._idle:
             self._inflight += 1
@@ -348,6 +357,7 @@ class MXPS(KVStoreBase):
         self._metrics.flush(r)
         report = {"round": r, "traffic": self._metrics.take_recent(),
                   "force": self._cfg.replan_force, "min_slice": self._cfg.min_slice,
+                  "max_chunk": self._cfg.max_chunk,
                   "min_gain": self._cfg.replan_min_gain, "horizon": self._cfg.replan_horizon}
         if self.rank == 0:
             ids = [k.id for k in self._keys.values()]
@@ -441,19 +451,21 @@ class MXPS(KVStoreBase):
             blob = pickle.loads(payload.bytes)
             if optimizer is None:
                 optimizer = blob["optimizer"]
-            for key, (off, length, state) in blob["states"].items():
+            for key, off, length, state in blob["states"]:
                 parts.setdefault(key, []).append((off, state))
-            for key in blob["keys"]:
-                c = blob["optimizer"]._index_update_count.get(key)
-                if c is not None:
-                    counts[key] = c
+            counts.update(blob["counts"])
         by_id = {k.id: k for k in self._keys.values()}
         states = {}
         for key, pieces in parts.items():
             pieces.sort(key=lambda p: p[0])
             states[key] = _join_states([p[1] for p in pieces], by_id[key].shape)
         if optimizer is not None:
+            for table in (optimizer.lr_mult, optimizer.wd_mult, optimizer.idx2name):
+                for i in [i for i in table if isinstance(i, int) and i >= 1 << 32]:
+                    del table[i]               # the indices of further slices (server.py)
+            # the dict MXNet's Updater uses is device 0's (see server._counts)
             optimizer._index_update_count = dict(counts)
+            optimizer._all_index_update_counts = {0: optimizer._index_update_count}
             optimizer.num_update = max(counts.values(), default=optimizer.num_update)
         data = pickle.dumps((states, optimizer) if dump_optimizer else states)
         with open(fname, "wb") as f:
@@ -478,7 +490,7 @@ class MXPS(KVStoreBase):
                     raise KeyError_("mxps: optimizer states for key id %r, which this kvstore "
                                     "does not hold" % (key,))
                 for s in k.slices:
-                    per_server[s.server][key] = _slice_state(state, s.offset, s.stop)
+                    per_server[s.server][(key, s.offset)] = _slice_state(state, s.offset, s.stop)
             opt = self._server_copy(updater.optimizer)
             for s, states in enumerate(per_server):
                 body = pickle.dumps({"states": states, "optimizer": opt})

@@ -50,8 +50,9 @@ def mxnet_default_rule(key, size, num_servers, bigarray_bound):
     return tuple(p for p in parts if p.length > 0)
 
 
-def check_slices(key, size, slices, num_servers):
-    """Raise PlanError unless ``slices`` cover [0, size) exactly once, in order.
+def check_slices(key, size, slices, num_servers, one_per_server=True):
+    """Raise PlanError unless ``slices`` cover [0, size) exactly once, in order (and, with
+    ``one_per_server``, at most one slice per server).
 
     A key with no elements is one empty slice (it still has an owner, as in MXNet)."""
     if size == 0:
@@ -66,7 +67,7 @@ def check_slices(key, size, slices, num_servers):
         if not 0 <= s.server < num_servers:
             raise PlanError("key %r: slice on server %d, only %d servers" % (key, s.server,
                                                                              num_servers))
-        if s.server in seen:
+        if one_per_server and s.server in seen:
             raise PlanError("key %r: two slices on server %d" % (key, s.server))
         seen.add(s.server)
         if s.offset != pos or s.length <= 0:
@@ -102,7 +103,7 @@ class Plan:
         for key, slices in (table or {}).items():
             slices = tuple(slices)
             size = sum(x.length for x in slices)
-            check_slices(key, size, slices, num_servers)
+            check_slices(key, size, slices, num_servers, one_per_server=False)
             self._table[key] = slices
             self._sizes[key] = size
 
@@ -111,7 +112,7 @@ class Plan:
         s = self._table.get(key)
         if s is None:
             s = self._rule(key, size, self.num_servers, self.bigarray_bound)
-            check_slices(key, size, s, self.num_servers)
+            check_slices(key, size, s, self.num_servers, one_per_server=False)
             self._table[key] = s
             self._sizes[key] = size
         elif self._sizes[key] != size:
@@ -159,16 +160,19 @@ class ProportionalRule:
     - A smaller key goes whole to the server furthest below its share of the bytes placed so
       far (``rate_s / sum(rates) * placed - load_s``), the lowest rank on ties.
 
-    So each server's load stays proportional to its rate within one small key, and at most
-    one slice per server per key, as the servers require.
+    So each server's load stays proportional to its rate within one small key.  With
+    ``max_chunk`` a server's part of a key is further cut into consecutive chunks of at most
+    that many elements (each chunk is its own slot on the server, see server.optimizer_index):
+    the first chunk's pull then overlaps the later chunks' pushes.
     """
 
-    def __init__(self, rates, min_slice=16384):
+    def __init__(self, rates, min_slice=16384, max_chunk=0):
         if not rates or any(not r > 0 for r in rates):
             raise PlanError("server rates must all be positive, got %s" % (list(rates),))
         total = float(sum(rates))
         self.shares = [r / total for r in rates]
         self.min_slice = max(1, int(min_slice))
+        self.max_chunk = max(0, int(max_chunk))
         self.loads = [0] * len(rates)
 
     def __call__(self, key, size, num_servers, bigarray_bound):
@@ -197,7 +201,15 @@ class ProportionalRule:
         slices, pos = [], 0
         for n, i in enumerate(servers):
             stop = size if n == len(servers) - 1 else pos + _c_round(want[i])
-            slices.append(Slice(i, pos, stop - pos))
+            slices.extend(self._chunks(i, pos, stop))
             self.loads[i] += stop - pos
             pos = stop
         return tuple(slices)
+
+    def _chunks(self, server, start, stop):
+        # a server's part of a key, in consecutive chunks of at most max_chunk elements (as
+        # even as possible): the server answers a chunk as soon as every worker pushed it,
+        # while the next chunks are still arriving
+        n = 1 if not self.max_chunk else -(-(stop - start) // self.max_chunk)
+        bounds = [start + (stop - start) * j // n for j in range(n + 1)]
+        return [Slice(server, a, b - a) for a, b in zip(bounds, bounds[1:])]

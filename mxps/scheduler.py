@@ -242,7 +242,7 @@ class Scheduler:
                 keys, old, self.plan_version + 1, rounds[0],
                 min_slice=int(lead.get("min_slice", adaptive.DEFAULT_MIN_SLICE)),
                 force=bool(lead.get("force")), min_gain=float(lead.get("min_gain", 0.05)),
-                horizon=int(lead.get("horizon", 20)))
+                horizon=int(lead.get("horizon", 20)), max_chunk=int(lead.get("max_chunk", 0)))
         if table is None:
             self._release({"version": self.plan_version, "table": None,
                            "rates": self.replanner.rates})

@@ -46,10 +46,11 @@ class _Slot:
     """This server's slice of one key."""
 
     __slots__ = ("key", "offset", "length", "dtype_code", "weight_nd", "weight", "snapshot",
-                 "applied", "rounds", "waiting", "free")
+                 "applied", "rounds", "waiting", "free", "index")
 
     def __init__(self, key, offset, length, dtype_code, weight_nd, snapshot):
         self.key = key
+        self.index = optimizer_index(key, offset)
         self.offset = offset
         self.length = length
         self.dtype_code = dtype_code
@@ -60,6 +61,16 @@ class _Slot:
         self.rounds = {}                # round -> _Round
         self.waiting = []               # (ident, header) pulls waiting for a later round
         self.free = []                  # reusable (acc, acc_nd) accumulators
+
+
+def optimizer_index(key, offset):
+    """The optimizer's index for the slice of ``key`` starting at element ``offset``: the key
+    itself for a key's first slice (as MXNet's server), a distinct index for a key's further
+    slices on the same server (adaptive plans cut large slices into chunks so that one chunk's
+    pull overlaps the next chunk's push).  Every slice of a key is updated once per round, so
+    each index's update count equals the key's, and the updates are elementwise: the same
+    numbers as one index per key."""
+    return key if offset == 0 else key + (offset << 32)
 
 
 class _Incoming:
@@ -83,6 +94,18 @@ class _Migration:
         self.next_id = 0
         self.moved = 0
         self.done = False
+
+
+def _counts(opt):
+    """The optimizer's update counts, the dict its updates will use.  MXNet keeps one dict per
+    device (``_all_index_update_counts``) and the Updater switches ``_index_update_count`` to
+    device 0's on every call; an optimizer that was unpickled with a replaced
+    ``_index_update_count`` (e.g. from a states file) would lose its counts at the first
+    update, so make that dict device 0's."""
+    d = opt._index_update_count
+    if opt._all_index_update_counts.get(0) is not d:
+        opt._all_index_update_counts[0] = d
+    return d
 
 
 def _cut_state(state, a, b):
@@ -135,6 +158,7 @@ class Server:
         self.slots = {}
         self.updater = None
         self.optimizer = None
+        self._aliased = set()      # optimizer indices of further slices, given their key's
         self.plan_version = 0
         self.peer_addrs = welcome["servers"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
@@ -161,10 +185,17 @@ class Server:
 
     # -- data plane --------------------------------------------------------------------------
     def _slot_for(self, h):
-        slot = self.slots.get(h.key)
+        slot = self.slots.get((h.key, h.offset))
         if slot is None:
-            raise RequestError("key %d is not initialised on server %d: call init (or "
-                               "broadcast) on the key before push/pull" % (h.key, self.rank))
+            if not any(k == h.key for k, _ in self.slots):
+                raise RequestError("key %d is not initialised on server %d: call init (or "
+                                   "broadcast) on the key before push/pull" % (h.key, self.rank))
+            held = sorted((x.offset, x.offset + x.length) for (k, _), x in self.slots.items()
+                          if k == h.key)
+            raise RequestError("key %d: request for elements [%d, %d) but server %d holds %s: "
+                               "workers disagree on the placement plan or on the key's size"
+                               % (h.key, h.offset, h.offset + h.length, self.rank,
+                                  ", ".join("[%d, %d)" % x for x in held)))
         if h.plan_version != self.plan_version:
             raise RequestError("key %d: request of plan version %d, but server %d is at plan "
                                "%d" % (h.key, h.plan_version, self.rank, self.plan_version))
@@ -180,7 +211,10 @@ class Server:
         mx = self.mx
         weight_nd = mx.nd.array(arr, dtype=arr.dtype)
         weight_nd.wait_to_read()
-        self.slots[h.key] = _Slot(h.key, h.offset, h.length, h.dtype, weight_nd, arr.copy())
+        slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype,
+                                                     weight_nd, arr.copy())
+        if self.updater is not None and slot.index != slot.key:
+            self._alias(slot, count=True)     # states loaded before the keys were initialised
         self._reply(ident, h, MsgType.ACK, length=0)
 
     def _on_push(self, ident, h, payload):
@@ -243,7 +277,9 @@ class Server:
         acc_nd = rnd.acc_nd
         if acc_nd is None:                   # the round began before set_optimizer
             acc_nd = self.mx.nd.array(rnd.acc, dtype=rnd.acc.dtype)
-        self.updater(slot.key, acc_nd, slot.weight_nd)
+        if slot.index != slot.key and slot.index not in self._aliased:
+            self._alias(slot)
+        self.updater(slot.index, acc_nd, slot.weight_nd)
         slot.weight_nd.wait_to_read()        # the update (which read acc_nd) is done
         if rnd.acc_nd is not None:
             slot.free.append((rnd.acc, rnd.acc_nd))
@@ -276,28 +312,51 @@ class Server:
         optimizer = pickle.loads(payload.bytes)   # as MXNet's own server does (trusted peers)
         self.optimizer = optimizer
         self.updater = self.mx.optimizer.get_updater(optimizer)
+        _counts(optimizer)
+        self._aliased = set()
         self._reply(ident, h, MsgType.ACK, length=0)
 
     def _on_get_states(self, ident, h, payload):
         if self.updater is None:
             raise RequestError("no optimizer on server %d: optimizer states live on the "
                                "servers only with update_on_kvstore=True" % self.rank)
-        states = {k: (s.offset, s.length, _to_numpy(self.updater.states.get(k)))
-                  for k, s in self.slots.items() if k in self.updater.states}
+        counts = _counts(self.updater.optimizer)
+        states = [(k, x.offset, x.length, _to_numpy(self.updater.states[x.index]))
+                  for (k, _), x in self.slots.items() if x.index in self.updater.states]
         body = pickle.dumps({"states": states, "optimizer": self.updater.optimizer,
-                             "keys": sorted(self.slots)})
+                             "counts": {k: counts[x.index] for (k, _), x in self.slots.items()
+                                        if x.index in counts}})
         self._reply(ident, h, MsgType.DATA, body, dtype=wire.NO_DTYPE, length=0)
 
     def _on_set_states(self, ident, h, payload):
         if self.updater is None:
             raise RequestError("no optimizer on server %d to load states into" % self.rank)
         blob = pickle.loads(payload.bytes)
-        for k, state in blob["states"].items():
-            self.updater.states[k] = _to_nd(state, self.mx)
-            self.updater.states_synced[k] = False
+        for (k, offset), state in blob["states"].items():
+            i = optimizer_index(k, offset)
+            self.updater.states[i] = _to_nd(state, self.mx)
+            self.updater.states_synced[i] = False
         self.updater.optimizer = blob["optimizer"]
         self.optimizer = blob["optimizer"]
+        _counts(self.optimizer)
+        self._aliased = set()
+        for slot in self.slots.values():
+            if slot.index != slot.key:
+                self._alias(slot, count=True)
         self._reply(ident, h, MsgType.ACK, length=0)
+
+    def _alias(self, slot, count=False):
+        """Give a further slice's optimizer index its key's multipliers and name (and with
+        ``count``, its update count: for states loaded from a file, which counts by key)."""
+        opt = self.updater.optimizer
+        k, i = slot.key, slot.index
+        for table in (opt.lr_mult, opt.wd_mult, opt.idx2name):
+            if k in table:
+                table[i] = table[k]
+        counts = _counts(opt)
+        if count and k in counts:
+            counts[i] = counts[k]
+        self._aliased.add(i)
 
     def _on_probe(self, ident, h, payload):
         # echo the bytes back: the worker times both directions of its link to this server
@@ -313,38 +372,38 @@ class Server:
         old, new = plan.table_from_json(body["old"]), plan.table_from_json(body["new"])
         mig = self.migration = _Migration(version)
         self.plan_version = version
-        parts = []                         # (destination, part)
+        parts = []                         # (destination server, part)
         for key, slices in new.items():
-            before = old.get(key)
+            before = tuple(old.get(key) or ())
             if before == slices:
                 continue
-            mine_old = next((x for x in before or () if x.server == self.rank), None)
-            mine_new = next((x for x in slices if x.server == self.rank), None)
-            if mine_old is not None:
-                slot = self.slots.get(key)
-                if slot is None or (slot.offset, slot.length) != (mine_old.offset,
-                                                                  mine_old.length):
+            empty = sum(x.length for x in slices) == 0
+            for o in before:
+                if o.server != self.rank:
+                    continue
+                slot = self.slots.get((key, o.offset))
+                if slot is None or slot.length != o.length:
                     raise RequestError("plan %d: server %d does not hold key %d as %s"
-                                       % (version, self.rank, key, mine_old))
+                                       % (version, self.rank, key, o))
                 if slot.rounds or slot.waiting:
                     raise RequestError(
                         "plan %d: key %d has rounds %s partly pushed on server %d; workers "
                         "push keys unequally" % (version, key, sorted(slot.rounds), self.rank))
                 for x in slices:
-                    lo, hi = max(x.offset, slot.offset), min(x.stop, slot.offset + slot.length)
-                    if hi > lo or (x.length == 0 and x.server != self.rank):
-                        parts.append((x.server, self._cut(slot, lo, hi)))
-                self._drop(key)
-            if mine_new is not None:
-                expect = sum(1 for x in before or () if x.server != self.rank and
-                             (min(x.stop, mine_new.stop) > max(x.offset, mine_new.offset)
-                              or mine_new.length == 0))
-                mig.incoming[key] = _Incoming(mine_new, expect)
+                    lo, hi = max(x.offset, o.offset), min(x.stop, o.stop)
+                    if hi > lo or empty:
+                        parts.append((x.server, self._cut(slot, lo, hi, x.offset)))
+                self._drop(slot)
+            for n in slices:
+                if n.server == self.rank:
+                    expect = sum(1 for x in before if x.server != self.rank and
+                                 (min(x.stop, n.stop) > max(x.offset, n.offset) or empty))
+                    mig.incoming[(key, n.offset)] = _Incoming(n, expect)
         for dest, part in parts:           # what stays here first, then what arrived early
             if dest == self.rank:
                 self._add_part(mig, part, remote=False)
-        for key in [k for k, inc in mig.incoming.items() if inc.expect == 0]:
-            self._install(mig, key)
+        for target in [t for t, inc in mig.incoming.items() if inc.expect == 0]:
+            self._install(mig, target)
         early, self.early_parts = self.early_parts, []
         for v, part in early:
             if v == version:
@@ -354,25 +413,27 @@ class Server:
                 self._send_part(mig, dest, part)
         self._maybe_done(mig)
 
-    def _cut(self, slot, lo, hi):
-        """The elements [lo, hi) of ``slot`` (key coordinates) as a migration part."""
+    def _cut(self, slot, lo, hi, target):
+        """The elements [lo, hi) of ``slot`` (key coordinates) as a migration part of the new
+        slice starting at ``target``."""
         a, b = lo - slot.offset, hi - slot.offset
-        key = slot.key
-        part = {"key": key, "offset": lo, "length": hi - lo, "dtype": slot.dtype_code,
-                "value": np.array(slot.snapshot[a:b]), "applied": slot.applied}
+        part = {"key": slot.key, "target": target, "offset": lo, "length": hi - lo,
+                "dtype": slot.dtype_code, "value": np.array(slot.snapshot[a:b]),
+                "applied": slot.applied}
         if self.updater is not None:
-            if key in self.updater.states:
-                part["state"] = _cut_state(self.updater.states[key], a, b)
-            count = self.updater.optimizer._index_update_count.get(key)
+            if slot.index in self.updater.states:
+                part["state"] = _cut_state(self.updater.states[slot.index], a, b)
+            count = _counts(self.updater.optimizer).get(slot.index)
             if count is not None:
                 part["count"] = count
         return part
 
-    def _drop(self, key):
-        self.slots.pop(key, None)
+    def _drop(self, slot):
+        self.slots.pop((slot.key, slot.offset), None)
         if self.updater is not None:
-            self.updater.states.pop(key, None)
-            self.updater.states_synced.pop(key, None)
+            self.updater.states.pop(slot.index, None)
+            self.updater.states_synced.pop(slot.index, None)
+            _counts(self.updater.optimizer).pop(slot.index, None)
 
     def _send_part(self, mig, dest, part):
         sock = self.peers.get(dest)
@@ -407,19 +468,21 @@ class Server:
 
     def _add_part(self, mig, part, remote):
         """Keep a part of a new slice; with the last remote part in, build the slice."""
-        inc = mig.incoming.get(part["key"])
+        target = (part["key"], part["target"])
+        inc = mig.incoming.get(target)
         if inc is None:
-            raise RequestError("plan %d: server %d got a part of key %d it does not hold"
-                               % (mig.version, self.rank, part["key"]))
+            raise RequestError("plan %d: server %d got a part of key %d for a slice at %d it "
+                               "does not hold" % (mig.version, self.rank, *target))
         inc.parts.append(part)
         if remote:
             inc.expect -= 1
             if inc.expect == 0:
-                self._install(mig, part["key"])
+                self._install(mig, target)
 
-    def _install(self, mig, key):
-        """Build this server's new slot of ``key`` from its parts (in offset order)."""
-        inc = mig.incoming.pop(key)
+    def _install(self, mig, target):
+        """Build this server's new slice ``target`` (key, offset) from its parts."""
+        inc = mig.incoming.pop(target)
+        key = target[0]
         want, parts = inc.slice, inc.parts
         parts.sort(key=lambda p: p["offset"])
         pos = want.offset
@@ -449,14 +512,16 @@ class Server:
                 if any(x is None for x in states):
                     raise RequestError("plan %d: some parts of key %d lack optimizer state"
                                        % (mig.version, key))
-                self.updater.states[key] = _to_nd(_join_state(states), mx)
-                self.updater.states_synced[key] = False
+                self.updater.states[slot.index] = _to_nd(_join_state(states), mx)
+                self.updater.states_synced[slot.index] = False
+            if slot.index != key:
+                self._alias(slot)
             counts = {p["count"] for p in parts if "count" in p}
             if counts:
                 opt = self.updater.optimizer
-                opt._index_update_count[key] = max(counts)
+                _counts(opt)[slot.index] = max(counts)
                 opt.num_update = max(opt.num_update, max(counts))
-        self.slots[key] = slot
+        self.slots[target] = slot
 
     def _on_migrate_reply(self, h):
         mig = self.migration

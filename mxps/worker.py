@@ -8,6 +8,7 @@ node (MXNet engine threads may be waiting on transfers that will never finish: t
 to unwind to).
 """
 import collections
+import heapq
 import itertools
 import json
 import logging
@@ -61,6 +62,9 @@ class Client:
         self._ids = itertools.count(1)
         self._pending = {}
         self._queue = collections.deque()
+        self._held = [[] for _ in self.servers]     # per server: heap of prioritised pushes
+        self._unacked = [0] * len(self.servers)     # per server: bytes of unacked pushes
+        self._seq = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._barrier_seq = 0
@@ -68,6 +72,11 @@ class Client:
         self._sleeping = True
         self._finished = False
         self.at_finish = []       # callables run at a clean exit, once MXNet's engine is idle
+        # MXPS_TRACE: every data request's (iteration, server, key, offset, bytes out, sent,
+        # bytes back, answered), written at exit (for timelines; off by default)
+        self._trace = [] if cfg.trace else None
+        if cfg.trace:
+            self.at_finish.append(self._write_trace)
         # per round (the workers' push count): per server [bytes, first send, last reply],
         # for the bandwidth estimate (mxps.metrics); the I/O thread writes, others take rounds
         self.traffic = {}
@@ -76,11 +85,19 @@ class Client:
         self._thread.start()
 
     # -- submitting --------------------------------------------------------------------------
-    def submit(self, server, header, payload, on_reply):
-        """Queue a request to ``server``; ``on_reply(header, payload)`` runs on the I/O thread."""
+    def submit(self, server, header, payload, on_reply, priority=None):
+        """Queue a request to ``server``; ``on_reply(header, payload)`` runs on the I/O thread.
+
+        With a ``priority`` (a PUSH, whose ACK comes as soon as the server has it) the request
+        waits in a per-server queue ordered by (-priority, key, offset) and goes out while
+        less than MXPS_SEND_WINDOW bytes of this worker's pushes to that server are unacked:
+        every worker then sends the chunks in nearly the same order, so the server completes
+        (and answers) chunk after chunk instead of all at the end, and a gradient that is
+        ready late but needed first overtakes the queue.  Waiting only for the server's
+        receipt, never for other workers, cannot deadlock."""
         header.request_id = next(self._ids)
         header.sender = self.rank
-        self._queue.append((server, header, payload, on_reply))
+        self._queue.append((server, header, payload, on_reply, priority))
         self._wake()
 
     def _wake(self):
@@ -108,7 +125,7 @@ class Client:
         """Wait until every worker reached the same barrier."""
         self._barrier_seq += 1
         seq = self._barrier_seq
-        self._queue.append((None, Header(MsgType.BARRIER, sender=self.rank), None, None))
+        self._queue.append((None, Header(MsgType.BARRIER, sender=self.rank), None, None, None))
         self._wake()
         # no deadline of our own: a dead peer is reported by the scheduler's heartbeat check
         while self.link.barrier_done < seq:
@@ -163,7 +180,7 @@ class Client:
                 moved[s], seconds[s] = self.probe(nbytes, [s])[s]
             self._queue.append((None, Header(MsgType.BANDWIDTH, sender=self.rank),
                                 json.dumps({"seconds": seconds, "bytes": moved}).encode(),
-                                None))
+                                None, None))
             self._wake()
             deadline = time.monotonic() + self.cfg.timeout
             while self.link.bandwidth is None:
@@ -182,7 +199,7 @@ class Client:
         a dead peer is reported by the scheduler's heartbeat check."""
         seen = self.link.replans
         self._queue.append((None, Header(MsgType.REPLAN, sender=self.rank),
-                            json.dumps(report).encode(), None))
+                            json.dumps(report).encode(), None, None))
         self._wake()
         while self.link.replans == seen:
             time.sleep(0.0005)
@@ -193,7 +210,7 @@ class Client:
         if self._finished:
             return
         self._finished = True
-        self._queue.append((None, Header(MsgType.FINISH, sender=self.rank), None, None))
+        self._queue.append((None, Header(MsgType.FINISH, sender=self.rank), None, None, None))
         self._wake()
         deadline = time.monotonic() + self.cfg.timeout
         while not self.link.shutdown and time.monotonic() < deadline:
@@ -213,7 +230,7 @@ class Client:
         self._finished = True
         self.link.failing = True
         self._queue.append((None, Header(MsgType.ABORT, sender=self.rank), message.encode(),
-                            None))
+                            None, None))
         self._wake()
         time.sleep(0.3)
         self._stopped.set()
@@ -237,9 +254,18 @@ class Client:
                 del self.traffic[r]
         return done
 
+    def _write_trace(self):
+        path = self.cfg.trace.format(rank=self.rank) if "{rank}" in self.cfg.trace else \
+            "%s.worker%d" % (self.cfg.trace, self.rank)
+        with open(path, "w") as f:
+            json.dump({"rank": self.rank, "columns": ["iteration", "server", "key", "offset",
+                                                      "bytes (negative: reply)", "monotonic",
+                                                      "request"],
+                       "events": self._trace}, f)
+
     def _check_overdue(self, now):
         # the oldest outstanding request is the first one in insertion order
-        for _, sent, server, h in self._pending.values():
+        for _, sent, server, h, _ in self._pending.values():
             if now - sent > self.cfg.timeout:
                 self.link.fail("server %d (%s) did not answer %r within %.0f s (MXPS_TIMEOUT); "
                                "a worker may have stopped pushing this key"
@@ -270,27 +296,39 @@ class Client:
             if self._wake_r in events:
                 os.read(self._wake_r, 65536)
             while self._queue:
-                server, h, payload, on_reply = self._queue.popleft()
+                server, h, payload, on_reply, priority = self._queue.popleft()
                 if server is None:
                     self.link.send(h.type, payload)
                     continue
-                if on_reply is not None:
-                    self._pending[h.request_id] = (on_reply, time.monotonic(), server, h)
-                transport.send(self.servers[server], h, payload)
-                if h.iteration > 0:
-                    n = memoryview(payload).nbytes if payload is not None else 0
-                    self._count(h.iteration, server, n, time.monotonic())
+                if priority is not None:
+                    self._seq += 1
+                    heapq.heappush(self._held[server], (-priority, h.key, h.offset, self._seq,
+                                                        h, payload, on_reply))
+                    continue
+                self._send(server, h, payload, on_reply, 0)
+            for server, held in enumerate(self._held):
+                while held and self._unacked[server] < self.cfg.send_window:
+                    _, _, _, _, h, payload, on_reply = heapq.heappop(held)
+                    n = memoryview(payload).nbytes
+                    self._unacked[server] += n
+                    self._send(server, h, payload, on_reply, n)
             for sock, i in index.items():
                 if sock in events:
                     while sock.poll(0):
                         _, h, payload = transport.recv(sock)
                         if h.iteration > 0:
                             n = len(payload) if payload is not None else 0
-                            self._count(h.iteration, i, n, time.monotonic())
+                            now = time.monotonic()
+                            self._count(h.iteration, i, n, now)
+                            if self._trace is not None:
+                                self._trace.append([h.iteration, i, h.key, h.offset, -n, now,
+                                                    h.request_id])
                         entry = self._pending.pop(h.request_id, None)
                         if entry is None:
                             log.warning("reply to an unknown request: %r", h)
                             continue
+                        if entry[4]:
+                            self._unacked[i] -= entry[4]
                         entry[0](h, payload)
             if self.link.sock in events:
                 while self.link.sock.poll(0):
@@ -303,3 +341,15 @@ class Client:
         for s in self.servers:
             s.close(linger=500)
         self.link.close()
+
+    def _send(self, server, h, payload, on_reply, held_bytes):
+        if on_reply is not None:
+            self._pending[h.request_id] = (on_reply, time.monotonic(), server, h, held_bytes)
+        transport.send(self.servers[server], h, payload)
+        if h.iteration > 0:
+            n = memoryview(payload).nbytes if payload is not None else 0
+            now = time.monotonic()
+            self._count(h.iteration, server, n, now)
+            if self._trace is not None:
+                self._trace.append([h.iteration, server, h.key, h.offset, n, now,
+                                    h.request_id])

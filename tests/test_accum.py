@@ -208,11 +208,13 @@ def test_compiled_add_into_releases_the_gil():
         progress, dt = _progress_of_another_thread_during(
             lambda: _accum.add_into(acc, src, dtype_code("float64")))
         attempts.append((n, round(dt, 3), progress))
-        if dt >= 0.05 and progress > 0:
+        if dt >= 0.02 and progress > 0:
             break
-        if dt < 0.05 and n < 64 * 10 ** 6:     # make the call long enough to be conclusive
+        if dt < 0.02 and n < 64 * 10 ** 6:     # make the call long enough to be conclusive
             n *= 2
             acc, src = np.ones(n), np.ones(n)
-    assert attempts[-1][1] >= 0.05 and attempts[-1][2] > 0, (
+    # conclusive: a call of >= 20 ms during which the other thread ran (a call holding the GIL
+    # gives it no turn at all: the test above)
+    assert attempts[-1][1] >= 0.02 and attempts[-1][2] > 0, (
         "another Python thread did not run during add_into: (elements, seconds, wake-ups) per "
         "attempt: %s" % attempts)

@@ -512,3 +512,27 @@ def test_replanner_forgets_the_rounds_before_a_change_of_the_link():
     # server 0 dropped to 2.5 and 2 MB/s: the estimate is their mean, not a median with the
     # old 10 MB/s round
     assert rp.rates == pytest.approx([2.25e6, 1e7])
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=SIZES, b=bandwidths(), min_slice=MIN_SLICE, max_chunk=st.integers(M // 2, 5 * M))
+def test_chunks_cut_each_servers_part_without_changing_the_shares(sizes, b, min_slice,
+                                                                  max_chunk):
+    keys = sorted(sizes.items())
+    whole = split_table(keys, b, min_slice)
+    chunked = split_table(keys, b, min_slice, max_chunk)
+    assert bytes_per_server(chunked, len(b)) == bytes_per_server(whole, len(b))
+    for key, n in sizes.items():
+        slices = chunked[key]
+        check_slices(key, n, slices, len(b), one_per_server=False)
+        Plan(len(b), 1, {key: slices})                  # the workers' plan takes it
+        if len(whole[key]) > 1 or n >= 2 * min_slice:
+            assert all(s.length <= max_chunk for s in slices), slices
+        # a server's chunks are consecutive and together are its part of the key
+        for part in whole[key]:
+            if not part.length:
+                assert slices == whole[key]                 # an empty key: one empty slice
+                continue
+            mine = [s for s in slices if part.offset <= s.offset < part.stop]
+            assert {s.server for s in mine} == {part.server}
+            assert sum(s.length for s in mine) == part.length

@@ -30,7 +30,8 @@ def test_async_kvstore_reports_dist_async_and_trainer_updates_on_the_servers(job
 
 # forced: a new placement before every round (tests/test_replan.py), so the keys' slices, their
 # optimizer state and update counts move between the servers at every step
-FORCED = {"MXPS_REPLAN_FORCE": "1", "MXPS_REPLAN_INTERVAL": "1", "MXPS_MIN_SLICE": "4"}
+FORCED = {"MXPS_REPLAN_FORCE": "1", "MXPS_REPLAN_INTERVAL": "1", "MXPS_MIN_SLICE": "4",
+          "MXPS_MAX_CHUNK": "20"}
 
 
 @pytest.mark.parametrize("kvstore,updates,extra", [

@@ -21,7 +21,7 @@ from cluster import assert_synchronised, assert_weights_close, load_meta, train_
 
 RTOL = 1e-5
 STEPS = 20
-FORCED = dict(MXPS_REPLAN_FORCE=1, MXPS_REPLAN_INTERVAL=1, MXPS_MIN_SLICE=64,
+FORCED = dict(MXPS_REPLAN_FORCE=1, MXPS_REPLAN_INTERVAL=1, MXPS_MIN_SLICE=64, MXPS_MAX_CHUNK=300,
               MXPS_LOG_LEVEL="INFO")
 
 

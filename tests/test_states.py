@@ -19,7 +19,8 @@ import cluster
 JOB = os.path.join(cluster.JOBS_DIR, "states_job.py")
 
 
-def _run(tmp, name, start, stop, load="", opt="adam", uok=True, servers=2, load_states=True):
+def _run(tmp, name, start, stop, load="", opt="adam", uok=True, servers=2, load_states=True,
+         bound=64):
     out = str(tmp / name)
     r = cluster.run_job([JOB], num_workers=2, num_servers=servers, timeout=240, env={
         "STATES_KVSTORE": "mxps", "STATES_OPTIMIZER": opt, "STATES_START": start,
@@ -27,22 +28,26 @@ def _run(tmp, name, start, stop, load="", opt="adam", uok=True, servers=2, load_
         "STATES_UPDATE_ON_KVSTORE": "1" if uok else "0",
         "STATES_LOAD_STATES": "1" if load_states else "0",
         # a 16x8 weight: cut over both servers, so every state is gathered from two slices
-        "MXNET_KVSTORE_BIGARRAY_BOUND": 64})
+        "MXNET_KVSTORE_BIGARRAY_BOUND": bound})
     r.raise_for_failure()
     return out
 
 
-@pytest.mark.parametrize("opt", ["adam", "sgd"])
-def test_training_resumed_from_saved_states_matches_uninterrupted_training(tmp_path, opt):
-    straight = _run(tmp_path, "straight", 0, 10, opt=opt)
-    first = _run(tmp_path, "first", 0, 5, opt=opt)
-    resumed = _run(tmp_path, "resumed", 5, 10, load=first, opt=opt)
+# bound 64: the weight is cut over both servers (server 1's part has its own optimizer index);
+# 10**6: every key whole, the weight on the server whose optimizer is not the one saved (its
+# update counts must still come back)
+@pytest.mark.parametrize("opt,bound", [("adam", 64), ("sgd", 64), ("adam", 10 ** 6)])
+def test_training_resumed_from_saved_states_matches_uninterrupted_training(tmp_path, opt,
+                                                                           bound):
+    straight = _run(tmp_path, "straight", 0, 10, opt=opt, bound=bound)
+    first = _run(tmp_path, "first", 0, 5, opt=opt, bound=bound)
+    resumed = _run(tmp_path, "resumed", 5, 10, load=first, opt=opt, bound=bound)
     for rank in (0, 1):
         a = dict(np.load(os.path.join(straight, "weights_rank%d.npz" % rank)))
         b = dict(np.load(os.path.join(resumed, "weights_rank%d.npz" % rank)))
         cluster.assert_weights_close(b, a, rtol=1e-5, what="resumed vs straight (%s)" % opt)
     # and the states matter: resuming with fresh optimizer states gives other weights
-    fresh = _run(tmp_path, "fresh", 5, 10, load=first, opt=opt, load_states=False)
+    fresh = _run(tmp_path, "fresh", 5, 10, load=first, opt=opt, load_states=False, bound=bound)
     a = dict(np.load(os.path.join(straight, "weights_rank0.npz")))
     c = dict(np.load(os.path.join(fresh, "weights_rank0.npz")))
     assert max(cluster.relative_difference(c, a).values()) > 1e-3
