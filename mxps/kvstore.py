@@ -22,7 +22,7 @@ from mxnet.kvstore import KVStoreBase
 
 from . import config, engine, wire
 from .metrics import StepMetrics
-from .ndview import handle_value, numpy_view
+from .ndview import cut_state, handle_value, numpy_view
 from . import plan as plan_mod
 from .plan import Plan, ProportionalRule, mxnet_default_rule
 from .wire import Header, MsgType
@@ -490,7 +490,7 @@ class MXPS(KVStoreBase):
                     raise KeyError_("mxps: optimizer states for key id %r, which this kvstore "
                                     "does not hold" % (key,))
                 for s in k.slices:
-                    per_server[s.server][(key, s.offset)] = _slice_state(state, s.offset, s.stop)
+                    per_server[s.server][(key, s.offset)] = cut_state(state, s.offset, s.stop)
             opt = self._server_copy(updater.optimizer)
             for s, states in enumerate(per_server):
                 body = pickle.dumps({"states": states, "optimizer": opt})
@@ -518,14 +518,6 @@ def _join_states(pieces, shape):
                            for i in range(len(first)))
     return mx.nd.array(np.concatenate([np.asarray(p).reshape(-1) for p in pieces])
                        .reshape(shape), dtype=first.dtype)
-
-
-def _slice_state(state, lo, hi):
-    if state is None:
-        return None
-    if isinstance(state, (tuple, list)):
-        return type(state)(_slice_state(s, lo, hi) for s in state)
-    return state.asnumpy().reshape(-1)[lo:hi].copy()
 
 
 @KVStoreBase.register

@@ -31,3 +31,13 @@ def numpy_view(nd):
 
 def handle_value(nd):
     return nd.handle.value
+
+
+def cut_state(state, lo, hi):
+    """Elements [lo, hi) of an optimizer state (an NDArray, a tuple or list of them, or None)
+    as flat numpy copies, in the same structure."""
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return type(state)(cut_state(x, lo, hi) for x in state)
+    return state.asnumpy().reshape(-1)[lo:hi].copy()

@@ -194,13 +194,16 @@ class ProportionalRule:
         while True:
             total = sum(need[i] for i in servers)
             want = {i: size * need[i] / total for i in servers}
-            small = [i for i in servers if want[i] < self.min_slice]
+            # cuts are rounded cumulative sums, so a slice is within one element of its want:
+            # a want under min_slice + 1 could round below min_slice
+            small = [i for i in servers if want[i] < self.min_slice + 1]
             if not small or len(servers) == 1:
                 break
             servers.remove(min(small, key=lambda i: (want[i], -i)))
-        slices, pos = [], 0
+        slices, pos, cum = [], 0, 0.0
         for n, i in enumerate(servers):
-            stop = size if n == len(servers) - 1 else pos + _c_round(want[i])
+            cum += want[i]
+            stop = size if n == len(servers) - 1 else _c_round(cum)
             slices.extend(self._chunks(i, pos, stop))
             self.loads[i] += stop - pos
             pos = stop

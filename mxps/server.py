@@ -23,7 +23,7 @@ import zmq
 from . import control, plan, transport, wire
 from .accum import add_into, copy_into
 from .control import SchedulerLink, poll_forever
-from .ndview import numpy_view
+from .ndview import cut_state, numpy_view
 from .wire import MsgType
 
 log = logging.getLogger("mxps.server")
@@ -108,17 +108,8 @@ def _counts(opt):
     return d
 
 
-def _cut_state(state, a, b):
-    """Elements [a, b) of an optimizer state (an NDArray, a tuple of them, or None)."""
-    if state is None:
-        return None
-    if isinstance(state, (tuple, list)):
-        return type(state)(_cut_state(x, a, b) for x in state)
-    return state.asnumpy().reshape(-1)[a:b].copy()
-
-
 def _join_state(parts):
-    """The inverse of ``_cut_state`` over consecutive parts."""
+    """The inverse of ``ndview.cut_state`` over consecutive parts."""
     first = parts[0]
     if first is None:
         return None
@@ -422,7 +413,7 @@ class Server:
                 "applied": slot.applied}
         if self.updater is not None:
             if slot.index in self.updater.states:
-                part["state"] = _cut_state(self.updater.states[slot.index], a, b)
+                part["state"] = cut_state(self.updater.states[slot.index], a, b)
             count = _counts(self.updater.optimizer).get(slot.index)
             if count is not None:
                 part["count"] = count

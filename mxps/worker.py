@@ -306,12 +306,6 @@ class Client:
                                                         h, payload, on_reply))
                     continue
                 self._send(server, h, payload, on_reply, 0)
-            for server, held in enumerate(self._held):
-                while held and self._unacked[server] < self.cfg.send_window:
-                    _, _, _, _, h, payload, on_reply = heapq.heappop(held)
-                    n = memoryview(payload).nbytes
-                    self._unacked[server] += n
-                    self._send(server, h, payload, on_reply, n)
             for sock, i in index.items():
                 if sock in events:
                     while sock.poll(0):
@@ -330,6 +324,13 @@ class Client:
                         if entry[4]:
                             self._unacked[i] -= entry[4]
                         entry[0](h, payload)
+            # after the replies: an ACK that opened a window sends the next held push now
+            for server, held in enumerate(self._held):
+                while held and self._unacked[server] < self.cfg.send_window:
+                    _, _, _, _, h, payload, on_reply = heapq.heappop(held)
+                    n = memoryview(payload).nbytes
+                    self._unacked[server] += n
+                    self._send(server, h, payload, on_reply, n)
             if self.link.sock in events:
                 while self.link.sock.poll(0):
                     _, h, p = transport.recv(self.link.sock)

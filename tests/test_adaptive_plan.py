@@ -536,3 +536,11 @@ def test_chunks_cut_each_servers_part_without_changing_the_shares(sizes, b, min_
             mine = [s for s in slices if part.offset <= s.offset < part.stop]
             assert {s.server for s in mine} == {part.server}
             assert sum(s.length for s in mine) == part.length
+
+
+def test_split_never_rounds_a_cut_slice_under_min_slice():
+    # 41 elements over 9 equal servers wants 4.56 each: rounding each slice on its own gave
+    # eight slices of 5 and one of 1; cumulative rounding gives 4s and 5s
+    table = split_table([(0, 41)], [1.0] * 9, min_slice=2)
+    assert sorted({s.length for s in table[0]}) == [4, 5]
+    check_table(table, {0: 41}, 9, min_slice=2)
