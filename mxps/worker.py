@@ -64,6 +64,9 @@ class Client:
         self._queue = collections.deque()
         self._held = [[] for _ in self.servers]     # per server: heap of prioritised pushes
         self._unacked = [0] * len(self.servers)     # per server: bytes of unacked pushes
+        self._unacked_count = [0] * len(self.servers)   # ... and how many (two may always
+        # be in flight, so a slice larger than the window never leaves the link idle while
+        # its ACK comes back)
         self._seq = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -90,7 +93,8 @@ class Client:
 
         With a ``priority`` (a PUSH, whose ACK comes as soon as the server has it) the request
         waits in a per-server queue ordered by (-priority, key, offset) and goes out while
-        less than MXPS_SEND_WINDOW bytes of this worker's pushes to that server are unacked:
+        less than MXPS_SEND_WINDOW bytes (or fewer than two pushes) of this worker's pushes to
+        that server are unacked:
         every worker then sends the chunks in nearly the same order, so the server completes
         (and answers) chunk after chunk instead of all at the end, and a gradient that is
         ready late but needed first overtakes the queue.  Waiting only for the server's
@@ -323,13 +327,16 @@ class Client:
                             continue
                         if entry[4]:
                             self._unacked[i] -= entry[4]
+                            self._unacked_count[i] -= 1
                         entry[0](h, payload)
             # after the replies: an ACK that opened a window sends the next held push now
             for server, held in enumerate(self._held):
-                while held and self._unacked[server] < self.cfg.send_window:
+                while held and (self._unacked[server] < self.cfg.send_window
+                                or self._unacked_count[server] < 2):
                     _, _, _, _, h, payload, on_reply = heapq.heappop(held)
                     n = memoryview(payload).nbytes
                     self._unacked[server] += n
+                    self._unacked_count[server] += 1
                     self._send(server, h, payload, on_reply, n)
             if self.link.sock in events:
                 while self.link.sock.poll(0):
