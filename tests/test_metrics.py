@@ -5,7 +5,6 @@ the plan puts on that server (each worker pushes and pulls every element it hold
 step: 2 x 4 bytes per float32 element), with positive rates and shares that sum to one.
 """
 import json
-import os
 
 import numpy as np
 import pytest

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import cluster
-from cluster import assert_synchronised, assert_weights_close, load_weights, train_env
+from cluster import (assert_synchronised, assert_weights_close, load_weights, native_dist_sync,
+                     train_env)
 
 # The first Dense layer's weight, which JOB_LR_MULT=1 gives lr_mult=0.5.
 LR_MULT_PARAM = "net_dense0_weight"
@@ -57,7 +58,7 @@ def test_run_job_times_out_and_kills_everything():
 
 
 def test_native_dist_sync_workers_end_identical_and_differ_from_training_alone(jobs):
-    run = jobs.train(train_env("dist_sync"), 2, 2)
+    run = native_dist_sync(jobs, 2, 2)
     synced = assert_synchronised(run.out_dir, 2, kvstore_type="dist_sync")
     # Each worker alone (no kvstore) on its own shard: what a silently dropped kvstore gives.
     for data_rank in (0, 1):
@@ -67,7 +68,7 @@ def test_native_dist_sync_workers_end_identical_and_differ_from_training_alone(j
 
 
 def test_native_job_uses_only_loopback_sockets(jobs):
-    run = jobs.train(train_env("dist_sync"), 2, 2)
+    run = native_dist_sync(jobs, 2, 2)
     socks = run.result.sockets
     assert socks, "no sockets observed while the job ran"
     assert any(s["state"] == "LISTEN" for s in socks)
@@ -79,8 +80,8 @@ def test_native_job_uses_only_loopback_sockets(jobs):
 def test_native_dist_sync_splits_big_arrays_and_stays_synchronised(jobs):
     # mlp_big's first weight has 131072 elements; a bound of 100000 splits it over both
     # servers (the other parameters stay whole on one server each).
-    run = jobs.train(train_env("dist_sync", model="mlp_big",
-                               MXNET_KVSTORE_BIGARRAY_BOUND=100000), 2, 2)
+    run = native_dist_sync(jobs, 2, 2, model="mlp_big",
+                           MXNET_KVSTORE_BIGARRAY_BOUND=100000)
     weights = assert_synchronised(run.out_dir, 2, kvstore_type="dist_sync")
     assert weights["net_dense0_weight"].size == 131072
 
@@ -88,8 +89,8 @@ def test_native_dist_sync_splits_big_arrays_and_stays_synchronised(jobs):
 def test_native_update_on_servers_matches_update_on_workers(jobs):
     # Calibrates the equivalence tolerance: the same maths done in two places (optimizer on
     # the servers vs on each worker) agrees to float rounding after 20 steps.
-    on_servers = jobs.train(train_env("dist_sync"), 2, 2)
-    on_workers = jobs.train(train_env("dist_sync", update_on_kvstore=False), 2, 2)
+    on_servers = native_dist_sync(jobs, 2, 2)
+    on_workers = native_dist_sync(jobs, 2, 2, update_on_kvstore=False)
     assert_synchronised(on_workers.out_dir, 2)
     diff = assert_weights_close(load_weights(on_workers.out_dir, 0),
                                 load_weights(on_servers.out_dir, 0), rtol=1e-5)
@@ -102,16 +103,16 @@ def test_native_update_on_servers_ignores_lr_mult(jobs):
     # the servers by pickle and Optimizer.__getstate__ drops param_dict, where lr_mult lives
     # (Trainer sets no idx2name/lr_mult dict either). With update on the workers the local
     # optimizer keeps param_dict and lr_mult applies.
-    plain = jobs.train(train_env("dist_sync"), 2, 2)
-    servers_mult = jobs.train(train_env("dist_sync", lr_mult=True), 2, 2)
+    plain = native_dist_sync(jobs, 2, 2)
+    servers_mult = native_dist_sync(jobs, 2, 2, lr_mult=True)
     assert_synchronised(servers_mult.out_dir, 2)
     a, b = load_weights(servers_mult.out_dir, 0), load_weights(plain.out_dir, 0)
     for name in a:   # bit for bit the run without lr_mult
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
-    workers_plain = jobs.train(train_env("dist_sync", update_on_kvstore=False), 2, 2)
-    workers_mult = jobs.train(train_env("dist_sync", update_on_kvstore=False, lr_mult=True),
-                              2, 2)
+    workers_plain = native_dist_sync(jobs, 2, 2, update_on_kvstore=False)
+    workers_mult = native_dist_sync(jobs, 2, 2, update_on_kvstore=False,
+                                    lr_mult=True)
     assert_synchronised(workers_mult.out_dir, 2)
     diff = cluster.relative_difference(load_weights(workers_mult.out_dir, 0),
                                        load_weights(workers_plain.out_dir, 0))
@@ -123,8 +124,7 @@ def test_one_process_simulation_of_the_workers_matches_native_dist_sync(jobs, wo
     # The reference test_equivalence uses where native dist_sync is unreliable (Adam with
     # update on workers): W devices in one process, device i fed worker i's data, must train
     # what native dist_sync trains (SGD with momentum and wd, update on servers).
-    native = jobs.train(train_env("dist_sync"), workers, 2,
-                        validate=lambda d: assert_synchronised(d, workers), retries=1)
+    native = native_dist_sync(jobs, workers, 2)
     sim = jobs.train(train_env("device", update_on_kvstore=False,
                                JOB_SIMULATE_WORKERS=workers), workers, 0)
     assert_weights_close(load_weights(sim.out_dir, 0), load_weights(native.out_dir, 0),
