@@ -606,13 +606,8 @@ class Replanner:
                     self.window.popleft()
                 return
 
-    def decide(self, keys, old, version, round_=0, min_slice=DEFAULT_MIN_SLICE, force=False,
-               min_gain=0.05, horizon=20, max_chunk=0):
-        """The table to switch to at this point, or None to keep ``old``.  ``keys``:
-        ``[(key, elements), ...]`` in initialisation order; ``version``: the new plan's."""
-        if force:
-            log.info("re-plan %d at round %d (forced)", version, round_)
-            return forced_table(keys, self.num_servers, version, min_slice, max_chunk)
+    def _evaluate(self, keys, old, min_slice, min_gain, horizon, max_chunk):
+        """(proposal, adopt?, makespan before, gain, move cost), or None if nothing to weigh."""
         if not self.rates or not keys:
             return None
         # held bytes per second: every worker pushes and pulls every byte a server holds
@@ -626,8 +621,42 @@ class Replanner:
             return None         # the old table does not place these keys: keep it
         gain, cost = replan_gain(old, proposal, b, 2.0 / min(self.rates), 4, 3)
         ok = gain > min_gain * before and gain * horizon > cost
+        return proposal, ok, before, gain, cost
+
+    def decide(self, keys, old, version, round_=0, min_slice=DEFAULT_MIN_SLICE, force=False,
+               min_gain=0.05, horizon=20, max_chunk=0):
+        """The table to switch to at this point, or None to keep ``old``.  ``keys``:
+        ``[(key, elements), ...]`` in initialisation order; ``version``: the new plan's."""
+        if force:
+            log.info("re-plan %d at round %d (forced)", version, round_)
+            return forced_table(keys, self.num_servers, version, min_slice, max_chunk)
+        ev = self._evaluate(keys, old, min_slice, min_gain, horizon, max_chunk)
+        if ev is None:
+            return None
+        proposal, ok, before, gain, cost = ev
         self.last = (before, before - gain, cost, ok)
         log.info("round %d: rates (MB/s) %s; makespan %.3f s -> %.3f s, moving costs %.3f s: %s",
                  round_, " ".join("%.1f" % (r / 1e6) for r in self.rates), before,
                  before - gain, cost, "re-plan %d" % version if ok else "keep")
         return proposal if ok else None
+
+    def suspects_change(self, factor=1.3):
+        """The last timed round put some server beyond ``factor`` of the round before it: what
+        the first half of a change looks like (``_forget_before_a_change`` needs two rounds
+        beyond 1.5x; the lower factor here errs on the side of looking once more)."""
+        if len(self.window) < 2:
+            return False
+        a, b = self.window[-2], self.window[-1]
+        return any(x is not None and y is not None and (y > factor * x or y * factor < x)
+                   for x, y in zip(a, b))
+
+    def wants_point(self, keys, old, min_slice=DEFAULT_MIN_SLICE, min_gain=0.05, horizon=20,
+                    max_chunk=0):
+        """Whether the next re-plan point must be a full one (every worker stopped, nothing in
+        flight) because it may switch plans: a change of a link is suspected, or ``decide``
+        would adopt a new table on the present estimates.  Otherwise a point is a light one:
+        workers report and go on (docs/REPLAN.md)."""
+        if self.suspects_change():
+            return True
+        ev = self._evaluate(keys, old, min_slice, min_gain, horizon, max_chunk)
+        return ev is not None and ev[1]

@@ -41,9 +41,10 @@ class Config:
     send_window: int = 512 << 10
     metrics: str = ""
     replan_interval: int = 1
-    replan_force: bool = False
+    replan_force: int = 0
     replan_min_gain: float = 0.05
     replan_horizon: int = 20
+    replan_light: bool = True
     trace: str = ""
 
     @property
@@ -148,9 +149,10 @@ def from_env(env=None, mode=None):
         send_window=_int(env, "MXPS_SEND_WINDOW", 512 << 10, minimum=1),
         metrics=_get(env, "MXPS_METRICS", ""),
         replan_interval=_int(env, "MXPS_REPLAN_INTERVAL", 1, minimum=0),
-        replan_force=_bool(env, "MXPS_REPLAN_FORCE"),
+        replan_force=_int(env, "MXPS_REPLAN_FORCE", 0, minimum=0),
         replan_min_gain=_float(env, "MXPS_REPLAN_MIN_GAIN", 0.05),
         replan_horizon=_int(env, "MXPS_REPLAN_HORIZON", 20, minimum=1),
+        replan_light=_bool(env, "MXPS_REPLAN_LIGHT", True),
         trace=_get(env, "MXPS_TRACE", ""),
     )
     if cfg.root_port > 65535:

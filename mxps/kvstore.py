@@ -172,6 +172,8 @@ class MXPS(KVStoreBase):
         # operation, this worker waits until it has nothing in flight and asks the scheduler
         self._round = 0
         self._next_replan = 1 + self._cfg.replan_interval if self._cfg.replanning else None
+        self._full_next = True      # the first point is a full one; then the scheduler says
+        self._ticket = None         # the scheduler's answer to a light point, still to read
         self._inflight = 0
         self._idle = threading.Condition()
         self._keys = {}
@@ -350,12 +352,20 @@ class MXPS(KVStoreBase):
     def _replan(self, r):
         """Round ``r`` is about to start: wait until this worker has nothing in flight (every
         round before r is complete on the servers once all workers are here), report the
-        traffic of the last rounds, and install the plan the scheduler answers with, if any."""
+        traffic of the last rounds, and install the plan the scheduler answers with, if any.
+        A light point (the scheduler's answer to the last point said no plan change is in
+        view, ``MXPS_REPLAN_LIGHT``) only reports and goes on."""
         with self._idle:
             while self._inflight:
                 self._idle.wait(1.0)
         self._metrics.flush(r)
-        report = {"round": r, "traffic": self._metrics.take_recent(),
+        if self._ticket is not None:
+            answer = self._client.replan_answer(self._ticket)
+            self._ticket = None
+            self._metrics.agreed = answer.get("rates")
+            self._full_next = answer.get("full_next", True)
+        full = self._full_next or not self._cfg.replan_light
+        report = {"round": r, "traffic": self._metrics.take_recent(), "wait": full,
                   "force": self._cfg.replan_force, "min_slice": self._cfg.min_slice,
                   "max_chunk": self._cfg.max_chunk,
                   "min_gain": self._cfg.replan_min_gain, "horizon": self._cfg.replan_horizon}
@@ -364,8 +374,12 @@ class MXPS(KVStoreBase):
             report["keys"] = [[k.id, k.size] for k in self._keys.values()]
             table = self._plan.table()
             report["table"] = plan_mod.table_to_json({i: table[i] for i in ids})
+        if not full:
+            self._ticket = self._client.replan(report, wait=False)
+            return
         answer = self._client.replan(report)
         self._metrics.agreed = answer.get("rates")
+        self._full_next = answer.get("full_next", True)
         if answer.get("table") is None:
             return
         self._plan = self._plan.replaced(answer["version"],

@@ -64,6 +64,7 @@ class Scheduler:
         # live re-planning (docs/REPLAN.md)
         self.replanner = adaptive.Replanner(cfg.num_servers, cfg.num_workers)
         self.replan_reports = {}   # worker rank -> its REPLAN request body
+        self.replan_points = 0     # re-plan points passed (MXPS_REPLAN_FORCE counts them)
         self.plan_version = 0
         self.pending_plan = None   # a plan the servers are moving state for
 
@@ -220,8 +221,11 @@ class Scheduler:
         return [n for n in self.nodes.values() if n.role == "worker" and not n.finished]
 
     def _maybe_replan(self):
-        """Every live worker stopped at the same round with nothing in flight: measure, decide,
-        and either release them at once or have the servers move state first."""
+        """Every live worker reached the re-plan point of the same round, having drained its own
+        operations.  At a full point (every worker waits for the answer, so nothing is in
+        flight anywhere) measure, decide, and either release them at once or have the servers
+        move state first; at a light one (workers went on) measure and say whether the next
+        point must be a full one (``Replanner.wants_point``)."""
         live = self._live_workers()
         if not self.replan_reports or len(self.replan_reports) < len(live):
             return None
@@ -232,25 +236,47 @@ class Scheduler:
                                "they do not push the same keys the same number of times"
                                % ", ".join("worker %d: %d" % (w, r["round"])
                                            for w, r in sorted(reports.items())))
+        full = {bool(r.get("wait", True)) for r in reports.values()}
+        if len(full) != 1:
+            return self._abort("workers disagree whether the re-plan point of round %d is a "
+                               "full one (%s)" % (rounds[0], ", ".join(
+                                   "worker %d: %s" % (w, r.get("wait", True))
+                                   for w, r in sorted(reports.items()))))
         self.replanner.observe([r.get("traffic", {}) for r in reports.values()])
         lead = reports.get(0) or reports[min(reports)]
-        table = None
+        table = old = keys = None
+        opts = {}
         if "table" in lead:
             old = _table_from_json(lead["table"])
             keys = [(int(k), int(n)) for k, n in lead["keys"]]
+            opts = dict(min_slice=int(lead.get("min_slice", adaptive.DEFAULT_MIN_SLICE)),
+                        min_gain=float(lead.get("min_gain", 0.05)),
+                        horizon=int(lead.get("horizon", 20)),
+                        max_chunk=int(lead.get("max_chunk", 0)))
+        # MXPS_REPLAN_FORCE=N: a forced new table at every N-th point (always a full one)
+        self.replan_points += 1
+        every = int(lead.get("force") or 0)
+        forced_next = bool(every) and (self.replan_points + 1) % every == 0
+        is_full = full.pop()
+        if keys is not None and is_full:
             table = self.replanner.decide(
                 keys, old, self.plan_version + 1, rounds[0],
-                min_slice=int(lead.get("min_slice", adaptive.DEFAULT_MIN_SLICE)),
-                force=bool(lead.get("force")), min_gain=float(lead.get("min_gain", 0.05)),
-                horizon=int(lead.get("horizon", 20)), max_chunk=int(lead.get("max_chunk", 0)))
+                force=bool(every) and self.replan_points % every == 0, **opts)
         if table is None:
+            # a light point, or a full one that keeps the plan: is the next one a full one?
+            full_next = forced_next or (keys is not None and
+                                        self.replanner.wants_point(keys, old, **opts))
+            log.info("round %d: %s point, plan %d kept; next point %s", rounds[0],
+                     "full" if is_full else "light", self.plan_version,
+                     "full" if full_next else "light")
             self._release({"version": self.plan_version, "table": None,
-                           "rates": self.replanner.rates})
+                           "rates": self.replanner.rates, "full_next": full_next})
             return None
         self.plan_version += 1
         moved = adaptive.moved_bytes(old, table, 4)
         self.pending_plan = {"version": self.plan_version, "table": table, "acks": set(),
                              "moved": moved, "round": rounds[0],
+                             "full_next": forced_next or self.replanner.suspects_change(),
                              "deadline": time.monotonic() + self.cfg.timeout}
         body = json.dumps({"version": self.plan_version, "old": _table_to_json(old),
                            "new": _table_to_json(table)}).encode()
@@ -272,7 +298,8 @@ class Scheduler:
             log.info("plan %d in place (round %d, %d bytes moved)", p["version"], p["round"],
                      p["moved"])
             self._release({"version": p["version"], "table": _table_to_json(p["table"]),
-                           "moved_bytes": p["moved"], "rates": self.replanner.rates})
+                           "moved_bytes": p["moved"], "rates": self.replanner.rates,
+                           "full_next": p["full_next"]})
         return None
 
     def _check_plan_deadline(self, now):

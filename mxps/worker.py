@@ -195,17 +195,23 @@ class Client:
                 time.sleep(0.005)
         return self.link.bandwidth["rates"]
 
-    def replan(self, report):
+    def replan(self, report, wait=True):
         """At a re-plan point (nothing of this worker in flight): send the scheduler
         ``report`` (this worker's traffic since the last point, and from rank 0 the placement)
         and wait for its answer, which comes once every worker is here and, if the plan
         changes, every server has moved its state.  Like ``barrier``, no deadline of its own:
-        a dead peer is reported by the scheduler's heartbeat check."""
+        a dead peer is reported by the scheduler's heartbeat check.  ``wait=False`` (a light
+        point): return a ticket for ``replan_answer`` instead of waiting."""
         seen = self.link.replans
         self._queue.append((None, Header(MsgType.REPLAN, sender=self.rank),
                             json.dumps(report).encode(), None, None))
         self._wake()
-        while self.link.replans == seen:
+        return self.replan_answer(seen) if wait else seen
+
+    def replan_answer(self, ticket):
+        """The scheduler's answer to the report ``replan`` gave ``ticket`` for (one report is
+        outstanding at a time, so the answers come in order)."""
+        while self.link.replans == ticket:
             time.sleep(0.0005)
         return self.link.replan
 

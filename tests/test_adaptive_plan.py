@@ -544,3 +544,32 @@ def test_split_never_rounds_a_cut_slice_under_min_slice():
     table = split_table([(0, 41)], [1.0] * 9, min_slice=2)
     assert sorted({s.length for s in table[0]}) == [4, 5]
     check_table(table, {0: 41}, 9, min_slice=2)
+
+
+def test_a_light_point_asks_for_a_full_one_when_a_change_is_suspected_or_a_plan_pays():
+    sizes = resnet18_sizes()
+    keys = list(sizes.items())
+    even = split_table(keys, [1.0] * 4)
+    rp = Replanner(4, 4)
+    steady = [[4e6, 0.1]] * 4                                     # 40 MB/s each
+    rp.observe([{r: steady for r in (1, 2, 3)}])
+    assert not rp.suspects_change()
+    assert not rp.wants_point(keys, even)                         # balanced, steady: light
+    noisy = Replanner(4, 4)
+    noisy.observe([{r: steady for r in (1, 2, 3)}])
+    noisy.observe([{4: [[4e6, 0.12]] + steady[1:]}])              # 20% slower: noise
+    assert not noisy.suspects_change() and not noisy.wants_point(keys, even)
+    rp.observe([{4: steady}])
+    rp.observe([{5: [[4e6, 0.3]] + steady[1:]}])                  # 3x slower than round 4
+    assert rp.suspects_change()
+    assert rp.rates[0] > 3e7               # the median has not moved: decide would keep...
+    assert rp.decide(keys, even, 1) is None
+    assert rp.wants_point(keys, even)      # ...but the next point must be able to switch
+    rp.observe([{6: [[4e6, 0.3]] + steady[1:]}])                  # confirmed
+    assert not rp.suspects_change()
+    assert rp.wants_point(keys, even)                             # now the plan pays
+    new = rp.decide(keys, even, 1)
+    assert new is not None and not rp.wants_point(keys, new)      # once in place: light
+    # a faster link is suspected just the same
+    rp.observe([{7: [[4e6, 0.05]] + steady[1:]}])
+    assert rp.suspects_change()

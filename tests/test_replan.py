@@ -85,3 +85,26 @@ def test_replan_waits_for_a_push_still_in_flight_and_loses_nothing(jobs):
     assert_weights_close(assert_synchronised(moving.out_dir, 2),
                          assert_synchronised(fixed.out_dir, 2), rtol=RTOL,
                          what="re-planned around a late push vs fixed plan")
+
+
+def test_light_points_between_forced_replans_change_nothing(jobs):
+    # MXPS_REPLAN_FORCE=3: a forced new table at every third re-plan point.  The points between
+    # are light ones (workers report and go on: mlp's per-server traffic is too small to time,
+    # so no change is ever suspected), and the scheduler's answer at a light point must make
+    # the next point a full one exactly when a forced plan is due there.
+    fixed = jobs.train(train_env("device", update_on_kvstore=False, steps=STEPS,
+                                 JOB_SIMULATE_WORKERS=2), 2, 0)
+    moving = jobs.train(train_env("mxps", update_on_kvstore=True, steps=STEPS,
+                                  **dict(FORCED, MXPS_REPLAN_FORCE=3,
+                                         MXPS_REPLAN_MIN_GAIN=1e9)), 2, 2)
+    points = list(range(2, STEPS + 1))          # a point before every round but the first
+    forced = points[2::3]                       # the 3rd, 6th, ... point
+    assert [r for _, r, _, _ in replans(moving)] == forced
+    log = scheduler_log(moving)
+    kinds = {int(r): k for r, k in re.findall(r"round (\d+): (full|light) point", log)}
+    assert sorted(kinds) == [r for r in points if r not in forced], kinds
+    assert kinds[points[0]] == "full"
+    assert all(k == "light" for r, k in kinds.items() if r != points[0]), kinds
+    assert_weights_close(assert_synchronised(moving.out_dir, 2),
+                         assert_synchronised(fixed.out_dir, 2, kvstore_type="device"),
+                         rtol=RTOL, what="light points and a forced plan every third vs fixed")
