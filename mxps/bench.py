@@ -115,10 +115,26 @@ SYSTEMS = [
 
 
 def system_by_name(name: str) -> System:
+    """A system by name; ``NAME:VAR=VALUE[:VAR=VALUE...]`` is that system with these variables
+    added to its jobs' environment (to compare settings side by side in one run)."""
+    base, *settings = name.split(":")
     for s in SYSTEMS:
-        if s.name == name:
-            return s
-    raise BenchError("unknown system %r; known: %s" % (name, ", ".join(s.name for s in SYSTEMS)))
+        if s.name == base:
+            break
+    else:
+        raise BenchError("unknown system %r; known: %s (a system may be followed by "
+                         ":VAR=VALUE settings)" % (base, ", ".join(s.name for s in SYSTEMS)))
+    if not settings:
+        return s
+    env = dict(s.env)
+    for item in settings:
+        var, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", var):
+            raise BenchError("system %r: %r is not VAR=VALUE (an environment variable in "
+                             "capitals)" % (name, item))
+        env[var] = value
+    return dataclasses.replace(s, name=name, env=env,
+                               description="%s, with %s" % (s.description, ", ".join(settings)))
 
 
 # --------------------------------------------------------------------------- rank discovery

@@ -7,6 +7,7 @@ the metrics files and the shares plot; another run is SIGKILLed mid-way to show 
 survives ``emunet.cleanup_stale``.  Needs root (network namespaces).
 """
 import json
+import re
 import os
 import signal
 import subprocess
@@ -150,6 +151,20 @@ def test_bound_is_compute_plus_the_slower_of_server_and_worker_links():
 def test_unknown_system_is_refused_with_the_known_names():
     with pytest.raises(bench.BenchError, match="native"):
         bench.system_by_name("nope")
+
+
+def test_a_system_with_settings_adds_them_to_its_env_and_keeps_its_own():
+    s = bench.system_by_name("mxps-adaptive:MXPS_SEND_WINDOW=2097152:MXPS_MAX_CHUNK=131072")
+    assert s.name == "mxps-adaptive:MXPS_SEND_WINDOW=2097152:MXPS_MAX_CHUNK=131072"
+    assert s.kvstore == "mxps"
+    assert s.env == {"MXPS_PLAN": "adaptive", "MXPS_SEND_WINDOW": "2097152",
+                     "MXPS_MAX_CHUNK": "131072"}
+    assert bench.system_by_name("mxps-adaptive").env == {"MXPS_PLAN": "adaptive"}
+    for bad in ("mxps-default:MXPS_SEND_WINDOW", "native:lower=1", "nope:A=1"):
+        with pytest.raises(bench.BenchError, match=re.escape(bad.split(":")[0]
+                                                             if bad.startswith("nope")
+                                                             else bad.split(":")[1])):
+            bench.system_by_name(bad)
 
 
 # --------------------------------------------------------------------------- real runs
