@@ -38,7 +38,7 @@ class Config:
     probe_bytes: int = 4 * 1024 * 1024
     min_slice: int = 16384
     max_chunk: int = 262144
-    send_window: int = 512 << 10
+    send_window: int = 1 << 20
     metrics: str = ""
     replan_interval: int = 1
     replan_force: int = 0
@@ -146,7 +146,7 @@ def from_env(env=None, mode=None):
         probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
         min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
         max_chunk=_int(env, "MXPS_MAX_CHUNK", 262144, minimum=0),
-        send_window=_int(env, "MXPS_SEND_WINDOW", 512 << 10, minimum=1),
+        send_window=_int(env, "MXPS_SEND_WINDOW", 1 << 20, minimum=1),
         metrics=_get(env, "MXPS_METRICS", ""),
         replan_interval=_int(env, "MXPS_REPLAN_INTERVAL", 1, minimum=0),
         replan_force=_int(env, "MXPS_REPLAN_FORCE", 0, minimum=0),
