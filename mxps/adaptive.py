@@ -597,14 +597,23 @@ class Replanner:
         if len(self.window) < 3:
             return
         old, a, b = self.window[-3], self.window[-2], self.window[-1]
-        for s in range(self.num_servers):
-            if None in (old[s], a[s], b[s]):
-                continue
-            if (a[s] > factor * old[s] and b[s] > factor * old[s]) or \
-                    (a[s] * factor < old[s] and b[s] * factor < old[s]):
-                for _ in range(len(self.window) - 2):
-                    self.window.popleft()
-                return
+        up = [s for s in range(self.num_servers) if None not in (old[s], a[s], b[s]) and
+              a[s] > factor * old[s] and b[s] > factor * old[s]]
+        down = [s for s in range(self.num_servers) if None not in (old[s], a[s], b[s]) and
+                a[s] * factor < old[s] and b[s] * factor < old[s]]
+        if not up and not down:
+            return
+        for _ in range(len(self.window) - 2):
+            self.window.popleft()
+        # A server whose link got faster still holds the small share of its slow days, and a
+        # server with little to do measures its throughput, not its link (module docstring):
+        # it would climb back one re-plan at a time.  Take it as fast as the median of the
+        # other servers instead; if it is slower than that, its next (loaded) rounds say so.
+        for s in up:
+            for w in (a, b):
+                others = sorted(x for i, x in enumerate(w) if i != s and x is not None)
+                if others:
+                    w[s] = max(w[s], others[len(others) // 2])
 
     def _evaluate(self, keys, old, min_slice, min_gain, horizon, max_chunk):
         """(proposal, adopt?, makespan before, gain, move cost), or None if nothing to weigh."""

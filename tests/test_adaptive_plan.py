@@ -573,3 +573,19 @@ def test_a_light_point_asks_for_a_full_one_when_a_change_is_suspected_or_a_plan_
     # a faster link is suspected just the same
     rp.observe([{7: [[4e6, 0.05]] + steady[1:]}])
     assert rp.suspects_change()
+
+
+def test_a_server_whose_link_got_faster_is_taken_as_fast_as_the_others_at_once():
+    # server 0 was slow and held a small share: after its link recovers it moves its few bytes
+    # at a throughput well under its link's; waiting for it to climb back would take a
+    # re-plan per step
+    rp = Replanner(3, 1)
+    rp.observe([{r: [[1e6, 0.1], [4e6, 0.1], [4e6, 0.1]] for r in (1, 2, 3)}])   # 10, 40, 40
+    assert rp.rates == [1e7, 4e7, 4e7]
+    rp.observe([{4: [[1e6, 0.04], [4e6, 0.1], [4e6, 0.1]],                        # 25 MB/s
+                 5: [[1e6, 0.04], [4e6, 0.1], [4e6, 0.1]]}])
+    assert rp.rates == pytest.approx([4e7, 4e7, 4e7])
+    # ... and if it is really slower than the others, its loaded rounds pull it down
+    rp.observe([{6: [[4e6, 0.2], [4e6, 0.1], [4e6, 0.1]]}])                       # 20 MB/s
+    rp.observe([{7: [[4e6, 0.2], [4e6, 0.1], [4e6, 0.1]]}])
+    assert rp.rates == pytest.approx([2e7, 4e7, 4e7])
