@@ -544,8 +544,10 @@ class Replanner:
     not timed.  The estimate is the median of the last ``window`` timed rounds (one noisy
     round cannot move it); two rounds in a row beyond 1.5x of the round before them, on the
     same side, are a change of the link: the rounds before the change are forgotten, so the
-    estimate is the two new rounds' mean, not a median half made of the old network.  Until a
-    server is timed it keeps its start-up probe rate (``rates``), or the lowest known rate.
+    estimate is the two new rounds' mean, not a median half made of the old network; a server
+    whose link got faster is taken as fast as the median of the others (under-used, it would
+    measure its small share's throughput).  Until a server is timed it keeps its start-up
+    probe rate (``rates``), or the lowest known rate.
 
     ``decide`` proposes ``split_table`` with the estimated rates and adopts it when the
     modelled gain per step exceeds ``min_gain`` of the current plan's makespan and, over
