@@ -611,7 +611,11 @@ class Replanner:
         # server with little to do measures its throughput, not its link (module docstring):
         # it would climb back one re-plan at a time.  Take it as fast as the median of the
         # other servers instead; if it is slower than that, its next (loaded) rounds say so.
-        for s in up:
+        # (A link changes mid-round, so the first new round may be only partly faster: the
+        # latest one decides, once some server's change is certain.)
+        for s in range(self.num_servers):
+            if None in (old[s], b[s]) or b[s] <= factor * old[s]:
+                continue
             for w in (a, b):
                 others = sorted(x for i, x in enumerate(w) if i != s and x is not None)
                 if others:

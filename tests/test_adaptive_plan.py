@@ -589,3 +589,10 @@ def test_a_server_whose_link_got_faster_is_taken_as_fast_as_the_others_at_once()
     rp.observe([{6: [[4e6, 0.2], [4e6, 0.1], [4e6, 0.1]]}])                       # 20 MB/s
     rp.observe([{7: [[4e6, 0.2], [4e6, 0.1], [4e6, 0.1]]}])
     assert rp.rates == pytest.approx([2e7, 4e7, 4e7])
+    # the link changes mid-round: server 1 drops (certain: two slow rounds) while server 0's
+    # first faster round is only partly faster (1.2x); its latest round decides
+    rp = Replanner(3, 1)
+    rp.observe([{r: [[1e6, 0.1], [4e6, 0.1], [4e6, 0.1]] for r in (1, 2, 3)}])   # 10, 40, 40
+    rp.observe([{4: [[1e6, 0.083], [4e6, 0.4], [4e6, 0.1]],                       # 12, 10, 40
+                 5: [[1e6, 0.04], [4e6, 0.4], [4e6, 0.1]]}])                      # 25, 10, 40
+    assert rp.rates == pytest.approx([4e7, 1e7, 4e7], rel=0.01)
