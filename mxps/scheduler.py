@@ -62,7 +62,8 @@ class Scheduler:
         self.barrier_count = 0
         self.rate_reports = {}     # worker rank -> probe timings {bytes, seconds} per server
         # live re-planning (docs/REPLAN.md)
-        self.replanner = adaptive.Replanner(cfg.num_servers, cfg.num_workers)
+        self.replanner = adaptive.Replanner(cfg.num_servers, cfg.num_workers,
+                                            window=cfg.replan_window)
         self.replan_reports = {}   # worker rank -> its REPLAN request body
         self.replan_points = 0     # re-plan points passed (MXPS_REPLAN_FORCE counts them)
         self.plan_version = 0
