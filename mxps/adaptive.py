@@ -558,7 +558,7 @@ class Replanner:
 
     MIN_BYTES = 64 * 1024
 
-    def __init__(self, num_servers, num_workers, rates=None, window=5):
+    def __init__(self, num_servers, num_workers, rates=None, window=3):
         import collections
         self.num_servers = num_servers
         self.num_workers = num_workers

@@ -45,7 +45,7 @@ class Config:
     replan_min_gain: float = 0.05
     replan_horizon: int = 20
     replan_light: bool = True
-    replan_window: int = 5
+    replan_window: int = 3
     trace: str = ""
 
     @property
@@ -154,7 +154,7 @@ def from_env(env=None, mode=None):
         replan_min_gain=_float(env, "MXPS_REPLAN_MIN_GAIN", 0.05),
         replan_horizon=_int(env, "MXPS_REPLAN_HORIZON", 20, minimum=1),
         replan_light=_bool(env, "MXPS_REPLAN_LIGHT", True),
-        replan_window=_int(env, "MXPS_REPLAN_WINDOW", 5, minimum=1),
+        replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),
     )
     if cfg.root_port > 65535:

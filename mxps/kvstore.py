@@ -365,7 +365,7 @@ class MXPS(KVStoreBase):
             self._metrics.agreed = answer.get("rates")
             self._full_next = answer.get("full_next", True)
         full = self._full_next or not self._cfg.replan_light
-        report = {"round": r, "traffic": self._metrics.take_recent(), "wait": full,
+        report = {"round": r, "traffic": self._metrics.take_recent(), "full": full,
                   "force": self._cfg.replan_force, "min_slice": self._cfg.min_slice,
                   "max_chunk": self._cfg.max_chunk,
                   "min_gain": self._cfg.replan_min_gain, "horizon": self._cfg.replan_horizon}

@@ -237,11 +237,11 @@ class Scheduler:
                                "they do not push the same keys the same number of times"
                                % ", ".join("worker %d: %d" % (w, r["round"])
                                            for w, r in sorted(reports.items())))
-        full = {bool(r.get("wait", True)) for r in reports.values()}
+        full = {bool(r.get("full", True)) for r in reports.values()}
         if len(full) != 1:
             return self._abort("workers disagree whether the re-plan point of round %d is a "
                                "full one (%s)" % (rounds[0], ", ".join(
-                                   "worker %d: %s" % (w, r.get("wait", True))
+                                   "worker %d: %s" % (w, r.get("full", True))
                                    for w, r in sorted(reports.items()))))
         self.replanner.observe([r.get("traffic", {}) for r in reports.values()])
         lead = reports.get(0) or reports[min(reports)]
