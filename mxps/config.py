@@ -44,7 +44,7 @@ class Config:
     replan_force: int = 0
     replan_min_gain: float = 0.05
     replan_horizon: int = 20
-    replan_light: bool = True
+    replan_light: bool = False
     replan_window: int = 3
     trace: str = ""
 
@@ -153,7 +153,7 @@ def from_env(env=None, mode=None):
         replan_force=_int(env, "MXPS_REPLAN_FORCE", 0, minimum=0),
         replan_min_gain=_float(env, "MXPS_REPLAN_MIN_GAIN", 0.05),
         replan_horizon=_int(env, "MXPS_REPLAN_HORIZON", 20, minimum=1),
-        replan_light=_bool(env, "MXPS_REPLAN_LIGHT", True),
+        replan_light=_bool(env, "MXPS_REPLAN_LIGHT", False),
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),
     )

@@ -97,7 +97,7 @@ CASES += [
 def test_mxps_final_weights_equal_native_dist_sync(jobs, workers, servers, native_cfg,
                                                    mxps_cfg):
     # A native reference must be sound (cluster.native_dist_sync: synchronised, and with update
-    # on workers equal to the one-process simulation; re-run up to twice, logged in
+    # on workers equal to the one-process simulation; re-run up to 4 times, logged in
     # jobs.retried); the candidate gets no retry. (Native Adam with update on workers left
     # workers with different weights in 3 of 4 runs here; SGD in about 1 of 8.)
     native_cfg = dict(native_cfg)

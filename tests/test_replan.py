@@ -95,7 +95,7 @@ def test_light_points_between_forced_replans_change_nothing(jobs):
     fixed = jobs.train(train_env("device", update_on_kvstore=False, steps=STEPS,
                                  JOB_SIMULATE_WORKERS=2), 2, 0)
     moving = jobs.train(train_env("mxps", update_on_kvstore=True, steps=STEPS,
-                                  **dict(FORCED, MXPS_REPLAN_FORCE=3,
+                                  **dict(FORCED, MXPS_REPLAN_FORCE=3, MXPS_REPLAN_LIGHT=1,
                                          MXPS_REPLAN_MIN_GAIN=1e9)), 2, 2)
     points = list(range(2, STEPS + 1))          # a point before every round but the first
     forced = points[2::3]                       # the 3rd, 6th, ... point
