@@ -16,9 +16,9 @@ def _read_version():
 
 EXTENSIONS = [
     # Summing worker slices into an accumulator without the GIL (server hot path).
-    Extension("mxps._accum", ["cython/accum.pyx"], extra_compile_args=["-O3"]),
+    Extension("mxps.kernels._accum", ["cython/accum.pyx"], extra_compile_args=["-O3"]),
     # Asynchronous operations on MXNet's dependency engine (worker overlap).
-    Extension("mxps._engine", ["cython/engine.pyx"], extra_compile_args=["-O2"]),
+    Extension("mxps.kernels._engine", ["cython/engine.pyx"], extra_compile_args=["-O2"]),
 ]
 
 setup(
@@ -28,10 +28,14 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read()
     if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.8",
-    packages=find_packages(include=["mxps", "mxps.*"]) + ["mxps._patches"],
-    package_dir={"mxps._patches": "patches"},
-    package_data={"mxps._patches": ["*.patch", "README.md"]},
+    # mxnet 1.9.1's wheels and this project's CI: CPython 3.11
+    python_requires=">=3.11",
+    # mxps: the runtime (what a training process imports); mxps_tools: bench, emulated
+    # network, job runner, plots, patches, CLI (never imported by a training process)
+    packages=find_packages(include=["mxps", "mxps.*", "mxps_tools", "mxps_tools.*"])
+    + ["mxps_tools._patches"],
+    package_dir={"mxps_tools._patches": "patches"},
+    package_data={"mxps_tools._patches": ["*.patch", "README.md"]},
     ext_modules=cythonize(EXTENSIONS, compiler_directives={"language_level": "3"}),
     install_requires=[
         # mxps patches and drives MXNet 1.9.1 internals: exactly this version.
@@ -48,8 +52,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "mxps=mxps.cli:main",
-            "mxps-patch=mxps.patching:main",
+            "mxps=mxps_tools.cli:main",
+            "mxps-patch=mxps_tools.patching:main",
         ],
     },
     zip_safe=False,

@@ -5,9 +5,9 @@
     trainer = gluon.Trainer(params, 'sgd', {...}, kvstore='mxps')
 
 launched like native dist_sync with MXNet's own launcher (mxnet/tools/launch.py).  In scheduler
-and server processes ``import mxps`` runs mxps's role and exits (mxps.roles); in workers it
+and server processes ``import mxps`` runs mxps's role and exits (mxps.roles.takeover); in workers it
 registers the kvstore names ``mxps`` (sync; MXPS_MODE=async for async), ``mxps_sync`` and
-``mxps_async``, and applies the in-process fixes MXNet 1.9.1 needs (mxps.patching).
+``mxps_async``, and applies the in-process fixes MXNet 1.9.1 needs (mxps.adapter.fixes).
 """
 from ._version import __version__
 
@@ -33,19 +33,20 @@ def _check_mxnet_version():
 
 _check_mxnet_version()
 
-from . import roles as _roles  # noqa: E402
+from .roles import takeover as _takeover  # noqa: E402
 
-_roles.take_over()
+_takeover.take_over()
 
 # a worker from here on
-from . import patching as _patching  # noqa: E402
+from . import config as _config  # noqa: E402
+from .adapter import fixes as _fixes  # noqa: E402
 
-_patching.apply_runtime_fixes()
+_fixes.apply_runtime_fixes(_config.role_from_env(), _config.mxnet_update_on_kvstore)
 
-from .kvstore import MXPS, MXPS_Async, MXPS_Sync  # noqa: E402,F401
+from .adapter.kvstore import MXPS, MXPS_Async, MXPS_Sync  # noqa: E402,F401
 from .config import ConfigError  # noqa: E402,F401
-from .worker import RemoteError  # noqa: E402,F401
-from .control import PeerLostError  # noqa: E402,F401
+from .roles.worker import RemoteError  # noqa: E402,F401
+from .roles.link import PeerLostError  # noqa: E402,F401
 
 __all__ = ["MXPS", "MXPS_Async", "MXPS_Sync", "ConfigError", "RemoteError", "PeerLostError",
            "__version__"]

@@ -5,6 +5,7 @@ class is built with no arguments by ``mx.kv.create``; so mxps reads its own ``MX
 from the environment too, once, validates them, and passes the frozen ``Config`` down.  Library
 code does not read ``os.environ`` anywhere else.  Every setting is documented in docs/SETTINGS.md.
 """
+import contextlib
 import dataclasses
 import os
 
@@ -32,7 +33,6 @@ class Config:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     bigarray_bound: int = 1000 * 1000
-    pure_python: bool = False
     log_level: str = "WARNING"
     plan: str = "default"
     probe_bytes: int = 4 * 1024 * 1024
@@ -47,6 +47,7 @@ class Config:
     replan_light: bool = False
     replan_window: int = 3
     trace: str = ""
+    job_info: str = ""
 
     @property
     def replanning(self):
@@ -102,6 +103,32 @@ def _bool(env, name, default=False):
     raise ConfigError("%s=%r: use 1 or 0" % (name, v))
 
 
+def pure_python(env=None):
+    """MXPS_PURE_PYTHON=1: use the pure-Python twins of the compiled hot paths."""
+    return _bool(os.environ if env is None else env, "MXPS_PURE_PYTHON")
+
+
+def mxnet_update_on_kvstore(env=None):
+    """MXNet's own MXNET_UPDATE_ON_KVSTORE (default 1), read when a Trainer or Module builds
+    its kvstore, as MXNet reads it."""
+    return _bool(os.environ if env is None else env, "MXNET_UPDATE_ON_KVSTORE", True)
+
+
+@contextlib.contextmanager
+def role_hidden():
+    """Within the block DMLC_ROLE reads "worker": ``import mxnet`` in a server or scheduler
+    process would otherwise start MXNet's native ps-lite node and never return."""
+    saved = os.environ.get("DMLC_ROLE")
+    os.environ["DMLC_ROLE"] = "worker"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DMLC_ROLE", None)
+        else:
+            os.environ["DMLC_ROLE"] = saved
+
+
 def role_from_env(env=None):
     """The node's role from DMLC_ROLE (default: worker, as in ps-lite)."""
     env = os.environ if env is None else env
@@ -141,7 +168,6 @@ def from_env(env=None, mode=None):
         heartbeat_interval=_float(env, "MXPS_HEARTBEAT_INTERVAL", 1.0),
         heartbeat_timeout=_float(env, "MXPS_HEARTBEAT_TIMEOUT", 10.0),
         bigarray_bound=_int(env, "MXNET_KVSTORE_BIGARRAY_BOUND", 1000 * 1000, minimum=1),
-        pure_python=_bool(env, "MXPS_PURE_PYTHON"),
         log_level=level,
         plan=plan,
         probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
@@ -156,6 +182,7 @@ def from_env(env=None, mode=None):
         replan_light=_bool(env, "MXPS_REPLAN_LIGHT", False),
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),
+        job_info=_get(env, "MXPS_JOB_INFO", ""),
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)

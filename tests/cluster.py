@@ -38,7 +38,7 @@ TRAIN_JOB = os.path.join(JOBS_DIR, "train_job.py")
 LOOPBACK = "127.0.0.1"
 
 # One math thread per process, as the package's own job runner does.
-from mxps.jobs import QUIET_ENV, free_port  # noqa: E402  (also re-exported for the tests)
+from mxps_tools.jobs import QUIET_ENV, free_port  # noqa: E402  (also re-exported for the tests)
 
 # After the last worker exits cleanly, servers and the scheduler get this long to exit.
 SERVER_EXIT_GRACE_SECONDS = 30.0

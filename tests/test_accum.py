@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mxps import _accum, accum_py
-from mxps.wire import dtype_code
+from mxps.kernels import _accum, accum_py
+from mxps.wire.frame import dtype_code
 
 IMPLS = [pytest.param(_accum, id="cython"), pytest.param(accum_py, id="python")]
 DTYPES = ["float32", "float64", "int32", "int64"]
@@ -26,7 +26,7 @@ def _random(dt, n, rng):
 
 
 def test_the_selector_uses_the_compiled_module_by_default():
-    from mxps import accum
+    from mxps.kernels import accum
     assert accum.IMPLEMENTATION in ("cython", "python")
     if accum.IMPLEMENTATION == "cython":
         assert accum.add_into is _accum.add_into

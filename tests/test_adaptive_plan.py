@@ -8,12 +8,12 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mxps.adaptive import (bytes_per_server, check_table, default_table, granularity,
+from mxps.placement.adaptive import (bytes_per_server, check_table, default_table, granularity,
                            guaranteed_makespan, lower_bound, makespan, moved_bytes,
                            proportional_plan, replan_gain, should_replan, split_table,
                            forced_table, Replanner)
-from mxps.adaptive import _construct
-from mxps.plan import Plan, PlanError, Slice, check_slices
+from mxps.placement.adaptive import _construct
+from mxps.placement.plan import Plan, PlanError, Slice, check_slices
 
 M = 16384      # the default min_slice: 64 KB of float32
 

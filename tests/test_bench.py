@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from mxps import bench, emunet
+from mxps_tools import bench, emunet
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "mxpsbt-"        # namespaces of these tests only
@@ -34,7 +34,7 @@ def _env():
 
 
 def _bench_cmd(out_dir, *extra):
-    return [sys.executable, "-m", "mxps.cli", "bench", "--out-dir", str(out_dir)] + SMALL + \
+    return [sys.executable, "-m", "mxps_tools.cli", "bench", "--out-dir", str(out_dir)] + SMALL + \
         list(extra)
 
 
@@ -69,7 +69,7 @@ def static_run(tmp_path_factory):
 def dynamic_run(tmp_path_factory):
     """mxps-default, dynamic, the slow link moving after timed steps 2, 4 and 6 of 9, plots on."""
     out = tmp_path_factory.mktemp("bench_dynamic")
-    cmd = [sys.executable, "-m", "mxps.cli", "bench", "--out-dir", str(out), "--quick",
+    cmd = [sys.executable, "-m", "mxps_tools.cli", "bench", "--out-dir", str(out), "--quick",
            "--scenario", "dynamic", "--period-steps", "2", "--steps", "9", "--warmup", "1",
            "--compute-steps", "1", "--rate", "200", "--no-progress", "--netns-prefix", PREFIX,
            "--systems", "mxps-default"]
@@ -325,7 +325,7 @@ def test_a_killed_bench_leaves_nothing_after_cleanup_stale(tmp_path):
 def test_running_without_root_says_root_is_needed(tmp_path, monkeypatch, capsys):
     # (this machine's interpreter lives under /root, so a real unprivileged subprocess cannot
     # even start it; the check itself reads os.geteuid)
-    from mxps import cli
+    from mxps_tools import cli
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     rc = cli.main(["bench", "--out-dir", str(tmp_path / "out")] + SMALL)
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EMUNET_DIR = os.path.join(REPO, 'mxps')
+EMUNET_DIR = os.path.join(REPO, 'mxps_tools')
 
 
 def _load_emunet():

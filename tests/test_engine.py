@@ -13,8 +13,8 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from mxps import _engine, engine_py
-from mxps.ndview import numpy_view
+from mxps.kernels import _engine, engine_py
+from mxps.adapter.ndview import numpy_view
 
 PUSH_ASYNC_ND = ctypes.cast(mx.base._LIB.MXEnginePushAsyncND, ctypes.c_void_p).value
 TIMEOUT = 60.0
@@ -288,7 +288,7 @@ def test_the_engine_releases_the_callback_after_completion(eng):
 
 
 def test_the_selector_pushes_through_the_default_implementation():
-    from mxps import engine
+    from mxps.kernels import engine
     assert engine.IMPLEMENTATION in ("cython", "python")
     b = mx.nd.zeros((3,))
     ready(b)

@@ -50,7 +50,7 @@ def _launch(out, log_dir):
         [cluster.REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(cluster.train_env("mxps", steps=5))
     env["JOB_OUT"] = out
-    argv = [sys.executable, "-m", "mxps.cli", "launch", "-n", "2", "-s", "2", "--",
+    argv = [sys.executable, "-m", "mxps_tools.cli", "launch", "-n", "2", "-s", "2", "--",
             "python", ENV_JOB]
     with open(os.path.join(log_dir, "launch.out"), "wb") as fo, \
             open(os.path.join(log_dir, "launch.err"), "wb") as fe:

@@ -11,8 +11,8 @@ import pytest
 
 import cluster
 from cluster import train_env
-from mxps.metrics import BandwidthEstimate
-from mxps.plan import Plan
+from mxps.placement.metrics import BandwidthEstimate
+from mxps.placement.plan import Plan
 
 
 def test_estimate_smooths_and_resists_one_wild_round():
@@ -49,7 +49,7 @@ def test_metrics_lines_carry_the_bytes_the_plan_places(tmp_path):
         assert all(x["step_seconds"] > 0 for x in lines[:-1])
         assert all(s["rate_estimate"] > 0 for s in lines[-1]["servers"])
     # mxps plot turns them into a PNG
-    from mxps import cli
+    from mxps_tools import cli
     assert cli.main(["plot", path.format(rank=0), path.format(rank=1),
                      "--out-dir", str(tmp_path / "plots")]) == 0
     with open(tmp_path / "plots" / "steps.png", "rb") as f:

@@ -18,7 +18,8 @@ import textwrap
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATCHING_PY = os.path.join(REPO, "mxps", "patching.py")
+PATCHING_PY = os.path.join(REPO, "mxps_tools", "patching.py")
+FIXES_PY = os.path.join(REPO, "mxps", "adapter", "fixes.py")
 PATCHES_DIR = os.path.join(REPO, "patches")
 
 
@@ -271,8 +272,8 @@ def test_mxnet_launcher_runs_a_native_dist_sync_job_with_the_patched_tracker(sit
 
 RUNTIME_SCRIPT = """
     import importlib.util, json, sys
-    spec = importlib.util.spec_from_file_location('mxps_patching_sub', %(patching)r)
-    patching = importlib.util.module_from_spec(spec); spec.loader.exec_module(patching)
+    spec = importlib.util.spec_from_file_location('mxps_fixes_sub', %(fixes)r)
+    fixes = importlib.util.module_from_spec(spec); spec.loader.exec_module(fixes)
     assert 'mxnet' not in sys.modules          # loading patching.py does not import mxnet
 
     import mxnet as mx
@@ -318,8 +319,8 @@ RUNTIME_SCRIPT = """
     out['before'] = {'model': describe(model._create_kvstore, 'dummyname'),
                      'trainer': describe(trainer_mod._create_kvstore, 'Dummyname'),
                      'module': describe(module_mod._create_kvstore, 'dummyname')}
-    out['changed'] = patching.apply_runtime_fixes()
-    out['changed_again'] = patching.apply_runtime_fixes()
+    out['changed'] = fixes.apply_runtime_fixes('worker', lambda: True)
+    out['changed_again'] = fixes.apply_runtime_fixes('worker', lambda: True)
     out['after'] = {'model': describe(model._create_kvstore, 'dummyname'),
                     'trainer': describe(trainer_mod._create_kvstore, 'Dummyname'),
                     'module': describe(module_mod._create_kvstore, 'dummyname')}
@@ -350,7 +351,7 @@ def _run_runtime_script(site):
     patched_dir = os.path.join(os.path.dirname(site), "patched-copy")
     shutil.copytree(site, patched_dir)
     patching.apply(patched_dir)
-    r = _run(RUNTIME_SCRIPT % {"patching": PATCHING_PY, "pristine": pristine,
+    r = _run(RUNTIME_SCRIPT % {"fixes": FIXES_PY, "pristine": pristine,
                                "patched": os.path.join(patched_dir, "mxnet", "model.py")})
     assert r.returncode == 0, r.stdout + r.stderr
     import json
@@ -384,8 +385,8 @@ def test_runtime_fixes_do_not_import_mxnet_in_a_server_process():
         import importlib.util, sys
         spec = importlib.util.spec_from_file_location('p', %r)
         p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)
-        print(p.apply_runtime_fixes(), 'mxnet' in sys.modules)
-    """ % PATCHING_PY, env_extra={"DMLC_ROLE": "server"}, timeout=60)
+        print(p.apply_runtime_fixes('server', lambda: True), 'mxnet' in sys.modules)
+    """ % FIXES_PY, env_extra={"DMLC_ROLE": "server"}, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[] False"
 

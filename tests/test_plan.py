@@ -13,7 +13,7 @@ from decimal import ROUND_HALF_UP, Decimal
 import pytest
 from hypothesis import assume, example, given, settings, strategies as st
 
-from mxps.plan import Plan, PlanError, Slice, check_slices, mxnet_default_rule
+from mxps.placement.plan import Plan, PlanError, Slice, check_slices, mxnet_default_rule
 
 # key * 9973 must fit a C int, as it does in MXNet (larger keys overflow there)
 KEYS = st.integers(0, (2 ** 31 - 1) // 9973)
@@ -216,7 +216,7 @@ def test_plan_places_an_empty_array():
 
 # --- ProportionalRule: the online, bandwidth-proportional placement (MXPS_PLAN=adaptive) -------
 
-from mxps.plan import ProportionalRule  # noqa: E402
+from mxps.placement.plan import ProportionalRule  # noqa: E402
 
 
 @settings(max_examples=150, deadline=None)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mxps import wire
-from mxps.wire import HEADER_SIZE, Header, MsgType, WireError
+from mxps.wire import frame as wire
+from mxps.wire.frame import HEADER_SIZE, Header, MsgType, WireError
 
 INT32 = st.integers(-2 ** 31, 2 ** 31 - 1)
 INT64 = st.integers(-2 ** 63, 2 ** 63 - 1)

@@ -8,24 +8,16 @@ exits with its status.  The server needs MXNet for the optimizer; it imports it 
 reading "worker" so that MXNet does not start its own server.
 """
 import logging
-import os
 import sys
 
-from . import config
+from .. import config
 
 
 def _import_mxnet_quietly():
     if "mxnet" in sys.modules:
         return sys.modules["mxnet"]
-    saved = os.environ.get("DMLC_ROLE")
-    os.environ["DMLC_ROLE"] = "worker"
-    try:
+    with config.role_hidden():
         import mxnet
-    finally:
-        if saved is None:
-            os.environ.pop("DMLC_ROLE", None)
-        else:
-            os.environ["DMLC_ROLE"] = saved
     return mxnet
 
 

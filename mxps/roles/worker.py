@@ -19,9 +19,10 @@ import time
 
 import zmq
 
-from . import control, transport
-from .control import SchedulerLink
-from .wire import Header, MsgType
+from ..wire import tcp as transport
+from ..wire.frame import Header, MsgType
+from . import link as control
+from .link import SchedulerLink
 
 log = logging.getLogger("mxps.worker")
 

@@ -14,10 +14,11 @@ import time
 
 import zmq
 
-from . import adaptive, transport
-from .control import EXIT_LOST_PEER, poll_forever
-from .plan import table_from_json as _table_from_json, table_to_json as _table_to_json
-from .wire import Header, MsgType
+from ..placement import adaptive
+from ..wire import tcp as transport
+from .link import EXIT_LOST_PEER, poll_forever
+from ..placement.plan import table_from_json as _table_from_json, table_to_json as _table_to_json
+from ..wire.frame import Header, MsgType
 
 log = logging.getLogger("mxps.scheduler")
 

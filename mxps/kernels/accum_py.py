@@ -1,7 +1,7 @@
 """Pure-Python (numpy) twin of ``cython/accum.pyx``: the reference for summing worker slices."""
 import numpy as np
 
-from .wire import dtype_of
+from ..wire.frame import dtype_of
 
 
 def add_into(acc, src, dtype_code):

@@ -3,7 +3,7 @@
 One invocation builds one ``emunet.Topology`` (namespaces ``sched``, ``s0..``, ``w0..``; every
 server and worker link shaped both ways with tbf at ``--rate`` Mbit/s; the scheduler's link,
 which carries only control traffic, unshaped) and runs every system in turn on it with the same
-model, data and seeds (``examples/bench_job.py``, one process per node, ``mxps.jobs``).
+model, data and seeds (``mxps_tools/bench_job.py``, one process per node, ``mxps_tools.jobs``).
 
 Scenarios (applied as soon as the scheduler has ranked the servers, i.e. before the first step):
 
@@ -65,7 +65,8 @@ from typing import Callable, Dict, List, Optional
 
 from . import jobs
 
-BENCH_JOB = os.path.join(jobs.REPO_ROOT, "examples", "bench_job.py")
+#: The benchmark's training job ships inside the package: ``python -m mxps_tools.bench_job``.
+BENCH_JOB = ["-m", "mxps_tools.bench_job"]
 MODELS = ("resnet18_v1", "alexnet", "vgg11", "mlp")
 SCENARIOS = ("homogeneous", "static", "dynamic")
 QDISC_SAMPLE_SECONDS = 0.5
@@ -80,20 +81,6 @@ class BenchError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- systems
-
-def _adaptive_available() -> Optional[str]:
-    """None if mxps has the adaptive placement (MXPS_PLAN=adaptive), else why not."""
-    try:
-        from . import config
-        cfg = config.from_env({"MXPS_PLAN": "adaptive", "DMLC_PS_ROOT_URI": "127.0.0.1",
-                               "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "1",
-                               "DMLC_NUM_SERVER": "1"})
-    except Exception as exc:   # noqa: BLE001  (any refusal means: not available)
-        return "mxps refuses MXPS_PLAN=adaptive: %s" % exc
-    if getattr(cfg, "plan", None) != "adaptive":
-        return "mxps has no adaptive placement yet (no MXPS_PLAN setting; issue #4)"
-    return None
-
 
 @dataclasses.dataclass(frozen=True)
 class System:
@@ -110,7 +97,7 @@ SYSTEMS = [
     System("native", "dist_sync", {}, "MXNet dist_sync (ps-lite), MXNet's placement"),
     System("mxps-default", "mxps", {}, "mxps with MXNet's placement rule"),
     System("mxps-adaptive", "mxps", {"MXPS_PLAN": "adaptive"},
-           "mxps with bandwidth-aware placement (issue #4)", _adaptive_available),
+           "mxps with bandwidth-aware placement (issue #4)"),
 ]
 
 
@@ -162,7 +149,8 @@ def server_ranks_from_logs(kvstore: str, sched_log: str) -> Optional[List[str]]:
 
 def predicted_elements(param_sizes, num_servers, bigarray_bound=1000 * 1000):
     """Elements per server rank under MXNet's placement (keys = parameter indices)."""
-    from .plan import mxnet_default_rule
+    from .runtime import module
+    mxnet_default_rule = module("placement.plan").mxnet_default_rule
     out = [0] * num_servers
     for key, size in enumerate(param_sizes):
         for s in mxnet_default_rule(key, size, num_servers, bigarray_bound):
@@ -519,7 +507,7 @@ class Bench:
     # ---- jobs ---------------------------------------------------------------------------
     def job_argv(self, system):
         o = self.o
-        return [BENCH_JOB, "--kvstore", system.kvstore, "--model", o.model,
+        return BENCH_JOB + ["--kvstore", system.kvstore, "--model", o.model,
                 "--mlp-hidden", o.mlp_hidden, "--batch-size", o.batch_size,
                 "--image-size", o.image_size, "--steps", o.steps, "--warmup", o.warmup,
                 "--compute-steps", o.compute_steps, "--progress"]

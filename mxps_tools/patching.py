@@ -3,7 +3,7 @@
 Two ways to fix, because the problems live in two kinds of process:
 
 * **Files** (`apply`, `check`, `revert`, `status`; console script ``mxps-patch``): the unified
-  diffs in ``patches/`` (installed as package data ``mxps/_patches``) are applied to the
+  diffs in ``patches/`` (installed as package data ``mxps_tools/_patches``) are applied to the
   installed files. Needed for code that runs in a process mxps does not control, e.g. the
   launcher ``mxnet/tools/launch.py`` and its ``dmlc_tracker`` (patch 0001).
 * **In-process** (`apply_runtime_fixes`): the same fix, for what ``import mxps`` can repair in
@@ -17,7 +17,7 @@ The patch files stay ordinary ``diff -u`` output: ``patch -p1 -d <site-packages>
 them too (the tests check that both agree).
 
 This module must not import mxnet at import time (``import mxnet`` in a server or scheduler
-process starts MXNet's native ps-lite node), nor anything from the ``mxps`` package.
+process starts MXNet's native ps-lite node), nor anything from the ``mxps`` runtime package.
 """
 import argparse
 import dataclasses
@@ -34,7 +34,7 @@ import warnings
 __all__ = [
     "PatchError", "Patch", "PatchStatus",
     "find_site_packages", "load_patches", "status", "apply", "revert", "check",
-    "apply_runtime_fixes", "main",
+    "main",
 ]
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def _transform(lines, hunks, reverse):
 def _bundled_patch_dirs():
     here = os.path.dirname(os.path.abspath(__file__))
     return [
-        os.path.join(here, "_patches"),                 # installed: package mxps._patches
+        os.path.join(here, "_patches"),                 # installed: package mxps_tools._patches
         os.path.join(os.path.dirname(here), "patches"),  # source tree / editable install
     ]
 
@@ -202,7 +202,7 @@ def patches_dir(path=None):
         if d and glob.glob(os.path.join(d, "*.patch")):
             return d
     raise PatchError("no *.patch files found in %s; reinstall mxps (the patches are package "
-                     "data mxps/_patches) or pass a directory" % " or ".join(map(str, candidates)))
+                     "data mxps_tools/_patches) or pass a directory" % " or ".join(map(str, candidates)))
 
 
 def load_patches(path=None):
@@ -368,83 +368,6 @@ def revert(site_packages=None, patches=None):
 def check(site_packages=None, patches=None):
     """True if every patch is applied, False if any is not (PatchError on unexpected content)."""
     return all(st.state == APPLIED for st in status(site_packages, patches))
-
-
-# --------------------------------------------------------------------------- in-process
-
-def _plugin_aware_create_kvstore(original, kvs):
-    """A `_create_kvstore` that keeps registered Python plugins, else defers to `original`."""
-    def _create_kvstore(kvstore, num_device, arg_params):
-        if (isinstance(kvstore, str) and num_device == 1 and "dist" not in kvstore
-                and kvstore.lower() in kvs.KVStoreBase.kv_registry):
-            # mxps fix (patch 0002): the native code drops a single-device, non-"dist" name
-            # (kv=None: un-synchronised training). A registered plugin may be distributed.
-            update_on_kvstore = bool(int(os.getenv("MXNET_UPDATE_ON_KVSTORE", "1")))
-            kv = kvs.create(kvstore)
-            update_on_kvstore &= kv.is_capable(kvs.KVStoreBase.OPTIMIZER)
-            return (kv, update_on_kvstore)
-        return original(kvstore, num_device, arg_params)
-    _create_kvstore.__doc__ = original.__doc__
-    _create_kvstore.__wrapped__ = original
-    _create_kvstore._mxps_fixed = True
-    return _create_kvstore
-
-
-# Modules that bind `_create_kvstore` by name (``from ..model import _create_kvstore``).
-# contrib.svrg_optimization.svrg_module calls ``mx.model._create_kvstore`` (attribute look-up)
-# and is covered by rebinding mxnet.model.
-_CREATE_KVSTORE_USERS = ("mxnet.gluon.trainer", "mxnet.module.module")
-
-
-def apply_runtime_fixes():
-    """Apply the in-process fixes to the running interpreter's mxnet; safe to call repeatedly.
-
-    Fix 0002: ``mxnet.model._create_kvstore`` (and the names bound to it in
-    ``mxnet.gluon.trainer`` and ``mxnet.module.module``) is replaced by a version that keeps
-    a registered Python KVStoreBase plugin. Also correct when patch 0002 is applied to the file.
-
-    Imports mxnet, unless this process is a ps-lite server/scheduler (``DMLC_ROLE``) that has
-    not imported it yet: there ``import mxnet`` would start the native node, and no Trainer
-    runs there anyway.
-
-    Returns the list of module names whose binding was changed by this call ([] if nothing
-    was left to do).
-    """
-    role = os.environ.get("DMLC_ROLE", "")
-    if role in ("server", "scheduler") and "mxnet" not in sys.modules:
-        logger.debug("mxps: DMLC_ROLE=%s and mxnet not imported: runtime fixes skipped", role)
-        return []
-    import mxnet
-    from mxnet import kvstore as kvs
-    from mxnet import model
-
-    version = getattr(mxnet, "__version__", "?")
-    if version != MXNET_VERSION:
-        warnings.warn("mxps runtime fixes were written for mxnet %s, found mxnet %s"
-                      % (MXNET_VERSION, version), RuntimeWarning, stacklevel=2)
-    changed = []
-    current = model._create_kvstore
-    if getattr(current, "_mxps_fixed", False):
-        fixed = current
-    else:
-        fixed = _plugin_aware_create_kvstore(current, kvs)
-        model._create_kvstore = fixed
-        changed.append("mxnet.model")
-    for modname in _CREATE_KVSTORE_USERS:
-        try:
-            mod = importlib.import_module(modname)
-        except ImportError:             # pragma: no cover - part of every mxnet 1.9.1
-            continue
-        bound = getattr(mod, "_create_kvstore", None)
-        if bound is None or getattr(bound, "_mxps_fixed", False):
-            continue
-        if bound is not fixed.__wrapped__ and bound is not current:
-            # someone else rebound it: wrap theirs, so their change is kept as the fallback
-            setattr(mod, "_create_kvstore", _plugin_aware_create_kvstore(bound, kvs))
-        else:
-            setattr(mod, "_create_kvstore", fixed)
-        changed.append(modname)
-    return changed
 
 
 # --------------------------------------------------------------------------- CLI

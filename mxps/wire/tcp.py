@@ -9,7 +9,7 @@ import socket
 
 import zmq
 
-from . import wire
+from . import frame as wire
 
 ZERO_COPY_THRESHOLD = 64 * 1024   # below this a copy is cheaper than zmq's zero-copy bookkeeping
 

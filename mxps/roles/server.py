@@ -20,11 +20,13 @@ import time
 import numpy as np
 import zmq
 
-from . import control, plan, transport, wire
-from .accum import add_into, copy_into
-from .control import SchedulerLink, poll_forever
-from .ndview import cut_state, numpy_view
-from .wire import MsgType
+from ..kernels.accum import add_into, copy_into
+from ..adapter.ndview import cut_state, numpy_view
+from ..placement import plan
+from ..wire import frame as wire, tcp as transport
+from ..wire.frame import MsgType
+from . import link as control
+from .link import SchedulerLink, poll_forever
 
 log = logging.getLogger("mxps.server")
 

@@ -13,8 +13,8 @@ import time
 
 import zmq
 
-from . import transport
-from .wire import Header, MsgType
+from ..wire import tcp as transport
+from ..wire.frame import Header, MsgType
 
 log = logging.getLogger("mxps")
 

@@ -20,13 +20,15 @@ import mxnet as mx
 import numpy as np
 from mxnet.kvstore import KVStoreBase
 
-from . import config, engine, wire
-from .metrics import StepMetrics
+from .. import config
+from ..kernels import engine
+from ..placement import plan as plan_mod
+from ..placement.metrics import StepMetrics
+from ..placement.plan import Plan, ProportionalRule, mxnet_default_rule
+from ..roles.worker import Client
+from ..wire import frame as wire
+from ..wire.frame import Header, MsgType
 from .ndview import cut_state, handle_value, numpy_view
-from . import plan as plan_mod
-from .plan import Plan, ProportionalRule, mxnet_default_rule
-from .wire import Header, MsgType
-from .worker import Client
 
 log = logging.getLogger("mxps")
 
