@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 import zmq
@@ -51,6 +52,10 @@ class SchedulerLink:
         self.barrier_done = 0
         self.replan = None        # the scheduler's last answer at a re-plan point
         self.replans = 0          # how many answers so far
+        # ``handle`` runs on the socket's owner thread (a worker's I/O thread); other threads
+        # wait on this for what it changes (barrier releases, agreed rates, re-plan answers,
+        # shutdown) instead of polling
+        self.changed = threading.Condition()
 
     @property
     def name(self):
@@ -97,6 +102,19 @@ class SchedulerLink:
     def handle(self, header, payload):
         """Process one scheduler message; returns its type for the owner to act on."""
         self.last_heard = time.monotonic()
+        with self.changed:
+            self._handle(header, payload)
+            self.changed.notify_all()
+        return header.type
+
+    def wait_for(self, predicate, timeout=None):
+        """Wait until ``predicate()`` (of this link's state) holds, or ``timeout`` seconds
+        (None: no deadline of its own; a lost peer ends the process through ``fatal``).
+        Returns the predicate's last value."""
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout)
+
+    def _handle(self, header, payload):
         if header.type == MsgType.ABORT:
             self.abort_message = payload.bytes.decode() if payload is not None else "aborted"
             if not self.failing:
@@ -110,7 +128,6 @@ class SchedulerLink:
         elif header.type == MsgType.REPLAN:
             self.replan = json.loads(payload.bytes)
             self.replans += 1
-        return header.type
 
     def fail(self, message, code=1):
         """Tell the scheduler this node failed (so the job ends now, with this message), then

@@ -133,8 +133,7 @@ class Client:
         self._queue.append((None, Header(MsgType.BARRIER, sender=self.rank), None, None, None))
         self._wake()
         # no deadline of our own: a dead peer is reported by the scheduler's heartbeat check
-        while self.link.barrier_done < seq:
-            time.sleep(0.0005 if self.num_workers == 1 else 0.001)
+        self.link.wait_for(lambda: self.link.barrier_done >= seq)
 
     def probe(self, nbytes, servers, rounds=3, min_seconds=0.3, max_bytes=64 << 20):
         """Time echoes through each of ``servers`` (all at once), ``rounds`` times: the first
@@ -187,13 +186,10 @@ class Client:
                                 json.dumps({"seconds": seconds, "bytes": moved}).encode(),
                                 None, None))
             self._wake()
-            deadline = time.monotonic() + self.cfg.timeout
-            while self.link.bandwidth is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("mxps worker %d: the scheduler did not agree server rates "
-                                       "within %.0f s (MXPS_TIMEOUT)" % (self.rank,
-                                                                         self.cfg.timeout))
-                time.sleep(0.005)
+            if not self.link.wait_for(lambda: self.link.bandwidth is not None,
+                                      self.cfg.timeout):
+                raise TimeoutError("mxps worker %d: the scheduler did not agree server rates "
+                                   "within %.0f s (MXPS_TIMEOUT)" % (self.rank, self.cfg.timeout))
         return self.link.bandwidth["rates"]
 
     def replan(self, report, wait=True):
@@ -212,8 +208,7 @@ class Client:
     def replan_answer(self, ticket):
         """The scheduler's answer to the report ``replan`` gave ``ticket`` for (one report is
         outstanding at a time, so the answers come in order)."""
-        while self.link.replans == ticket:
-            time.sleep(0.0005)
+        self.link.wait_for(lambda: self.link.replans != ticket)
         return self.link.replan
 
     def finish(self):
@@ -223,10 +218,7 @@ class Client:
         self._finished = True
         self._queue.append((None, Header(MsgType.FINISH, sender=self.rank), None, None, None))
         self._wake()
-        deadline = time.monotonic() + self.cfg.timeout
-        while not self.link.shutdown and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self.link.shutdown:
+        if not self.link.wait_for(lambda: self.link.shutdown, self.cfg.timeout):
             sys.stderr.write("mxps worker %d: warning: the scheduler did not end the job within "
                              "%.0f s of this worker finishing (MXPS_TIMEOUT); other workers are "
                              "probably still training or stuck\n" % (self.rank, self.cfg.timeout))
