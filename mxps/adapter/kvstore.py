@@ -154,8 +154,8 @@ class MXPS(KVStoreBase):
         rule = mxnet_default_rule
         self.server_rates = None
         if self._cfg.plan == "adaptive":
-            # bandwidth-proportional placement from a start-up probe (issue #4, first step:
-            # the plan is fixed once the keys are initialised; live re-planning comes next)
+            # bandwidth-proportional placement: the first plan from a start-up probe; live
+            # re-plan points follow it (``_replan_point``)
             self.server_rates = self._client.agree_rates(self._cfg.probe_bytes)
             rule = ProportionalRule(self.server_rates, self._cfg.min_slice, self._cfg.max_chunk)
             log.info("worker %d: server rates (MB/s) %s", self.rank,
@@ -183,7 +183,6 @@ class MXPS(KVStoreBase):
         self._ids = {}
         self._optimizer = None
         self._updater = None
-        self._lock = threading.Lock()
 
     # -- properties MXNet reads --------------------------------------------------------------
     @property

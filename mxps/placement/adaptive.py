@@ -1,106 +1,33 @@
-"""Adaptive placement: spread the keys over the servers in proportion to their bandwidths.
+"""Adaptive placement: split the keys over the servers in proportion to their rates, and
+decide live when a new split pays off.  Pure functions and one small class; no sockets, clocks
+or MXNet.
 
-A pure function of (key sizes, server bandwidths, previous table); no sockets, no clocks.  Its
-output is a table ``{key: (Slice, ...)}`` for ``mxps.plan.Plan(num_servers, version, table)``.
+Model.  Server ``s`` holds ``bytes_s`` bytes of the model and gets through them at ``b_s``
+bytes/s ("held bytes per second of a step": every worker pushes and pulls each held byte), so
+its communication time per step is ``bytes_s / b_s`` and a synchronous step waits for the
+slowest server: the *makespan* ``max_s bytes_s / b_s`` (``makespan``).  No placement beats
+``total_bytes / sum(b)``, reached when each server holds its share ``b_s / sum(b)``.
 
-Model
------
-Server ``s`` holds ``bytes_s`` bytes and gets through them at ``b_s`` bytes/s (the bandwidth
-estimator's unit: every worker pushes and pulls each held byte, so ``b_s`` is "held bytes per
-second of a step"), so its communication time per step is ``bytes_s / b_s`` and the step waits
-for the slowest server: the *makespan* ``max_s bytes_s / b_s``.  No placement beats the
-*proportional bound* ``T = total_bytes / sum(b)`` (``lower_bound``), reached when server ``s``
-holds exactly its *target* ``t_s = T * b_s``.
+Proposal (``split_table``).  ``plan.ProportionalRule``: every key of at least ``2 * min_slice``
+elements is cut over all servers in proportion to what each lacks of its share, smaller keys go
+whole to the server furthest below its share; with ``max_chunk`` each server's part is cut
+further into chunks (one chunk's pull overlaps the next one's push).  Cutting every large key
+over every server spreads each server's traffic over the whole step, so the step waits for no
+single server's queue of whole keys, and each server's measured rate reflects its link.
 
-Rules a plan must follow (``check_table``): every element of every key on exactly one server;
-a key's slices are contiguous and in order, at most one per server (a server runs the optimizer
-once per key); a key is cut only into slices of at least ``min_slice`` elements, so a key of
-fewer than ``2 * min_slice`` elements (*unsplittable*) is always whole.
-
-Algorithm (``proportional_plan``)
----------------------------------
-1. Unsplittable keys, largest first (ties by key id), go whole: to the server that held them
-   in the previous plan if it still has room (its load stays within its target ``t_s``),
-   otherwise to the server where they would finish earliest, ``min (load_s + n) / b_s``
-   (LPT for machines of different speeds).  Few, large slices: small keys are never cut.
-2. The remaining room ``r_s = t_s - load_s`` of the servers that have any is laid end to end
-   in server order, the splittable keys end to end beside it (largest first, ties by key id),
-   and each server takes what lies against its room.  Each boundary ``C_j`` (cumulative room)
-   is rounded *down* to the nearest admissible cut: a key boundary, or a point inside a key at
-   least ``min_slice`` from both of its ends and from an earlier cut in the same key.  A key
-   thus visits servers in a fixed order, at most once each; at most ``#servers - 1`` keys are
-   cut, so the table has at most ``#keys + #servers - 1`` slices, every cut slice >= min_slice.
-3. Candidates from scratch: the plan from 1-2, a *spread* plan (step 1, then each splittable
-   key, largest first, shared out over the servers with room in proportion to it, shares under
-   ``min_slice`` dropped) and MXNet's own placement (if it fits the rules).  Without a previous
-   table the smallest makespan wins (the first listed on a tie).  With one, the *budget* is the
-   guarantee below, lowered to MXNet's makespan and to ``1 + slack`` (default 1%) times the
-   from-scratch winner's if those are smaller, and more candidates join: the previous table
-   itself (if it still fits the keys and the rules), a *stay-put* plan (like spread, but each
-   key keeps its previous servers in their order while they have room, and a key that fits
-   whole on its one previous server stays) and the plan from 1-2 with small keys kept in
-   place.  Among all candidates within budget the one moving the fewest bytes wins, then the
-   smaller makespan.  Deterministic; ``proportional_plan(k, b, previous=proportional_plan(k,
-   b)) == proportional_plan(k, b)`` (the previous table is within budget and moves nothing).
-
-Why this and not an exact solver: the problem contains PARTITION (NP-hard), but the large keys
-are divisible almost anywhere, so filling the rooms with them is within one cut of perfect, and
-the small keys only need a scheduling rule with an additive bound; both run in
-O(K log K + K S).  The MXNet candidate makes "never worse than MXNet's placement" a theorem
-rather than a hope (with few small keys and equal bandwidths a hash can be lucky, and no
-polynomial rule beats every lucky hash); the spread candidate wins when the cut rounding of
-step 2 bites (tiny bins, keys barely over ``2 * min_slice``).
-
-Guarantee (tested in tests/test_adaptive_plan.py)
--------------------------------------------------
-Let ``U = max_k min(n_k, 2*min_slice - 1)`` elements (``granularity``): the largest
-unsplittable unit, a whole small key or a cut-rounding step.  Then
-
-    makespan(plan) < T + U * itemsize / min_s b_s          (``guaranteed_makespan``)
-
-Proof.  Step 1: when a key of ``n`` elements is placed, some server ``s*`` has room
-``r > 0`` (the rooms sum to the unplaced bytes); the previous server is kept only if it stays
-within its target; otherwise the chosen server finishes no later than ``s*`` would,
-``(t_s* - r + n) / b_s* < T + n / b_s*``.  Step 2 (integers; ``m = min_slice``, large keys
-have ``n >= 2m``): let ``x = floor(C_j)`` lie inside a key ``[a, e)`` and ``p <= x`` be the
-previous cut.  If ``x < a + m`` or ``x < p + m`` the cut is ``max(a, p) >= x - m + 1``.  Else,
-if the admissible stretch ``[max(a, p) + m, e - m]`` is not empty, the cut is
-``min(x, e - m) >= x - m + 1``; if it is empty, ``p`` is inside the key with ``p >= e - 2m + 1``
-and the cut is ``p >= x - 2m + 2``.  So ``x - cut <= 2m - 2 = U - 1`` (a large key makes
-``U = 2m - 1``) and
-``cut_j > C_j - U``; server ``j`` gets ``cut_j - cut_{j-1} < C_j - C_{j-1} + U = r_j + U``
-bytes of large keys (the last server's ``total - cut`` too, as the rooms sum to at least the
-total), i.e. holds ``< t_j + U`` in all.  Servers without room get no large-key bytes.  Step 3
-only returns a candidate within the budget, which is at most the bound.  []
-
-Also: the result is never worse than MXNet's placement whenever that placement follows the
-rules (always when ``min_slice <= bigarray_bound / #servers``).
-
-Stability and hysteresis
-------------------------
-Given ``previous``, nothing moves while the previous table is within the budget ("costs
-little" = within ``slack`` of the best candidate and within the guarantee, and no worse than
-MXNet): a dead band against bandwidth noise, on top of ``should_replan``.
-Otherwise the candidate moving the fewest bytes within budget is returned: small keys stay
-where they were while their server has room; the proportional plan keeps its key order (a small
-change of bandwidths moves its boundaries a little); the stay-put plan keeps each large key on
-its previous servers (leaving MXNet's placement, where every key of 1M elements or more is
-spread over all servers, it moves about 39% of resnet18's bytes instead of 72%).
-
-Re-planning to the new table or not is ``should_replan``: the per-step gain
-``makespan(previous) - makespan(proposal)`` times a horizon must beat the time to move the
-state, ``moved_bytes * state_copies * s_per_byte``
-(weights plus optimizer state: 2 copies for SGD with momentum, 3 for Adam).
+Decision (``Replanner``, the scheduler's side).  Rates are estimated from the workers' training
+traffic (all workers' bytes through a server over the slowest worker's busy span, median of the
+last rounds, rounds before a change of a link forgotten); a proposal is adopted when its
+modelled gain per step beats ``min_gain`` of the current makespan and, over a horizon of steps,
+the time to move the state that changes server (``replan_gain``).  See docs/REPLAN.md.
 """
-import bisect
 import logging
 import math
 
-from .plan import PlanError, ProportionalRule, Slice, check_slices, mxnet_default_rule
+from .plan import PlanError, ProportionalRule, Slice, check_slices
 
 log = logging.getLogger("mxps")
 
-MXNET_BIGARRAY_BOUND = 1000 * 1000      # MXNET_KVSTORE_BIGARRAY_BOUND's default in 1.9.1
 DEFAULT_MIN_SLICE = 16384               # elements: 64 KB of float32
 
 
@@ -117,40 +44,7 @@ def _check_bandwidths(bandwidths):
     return b
 
 
-def _check_sizes(key_sizes):
-    for key, n in key_sizes.items():
-        if not isinstance(n, int) or n < 0:
-            raise ValueError("key %r has size %r: sizes are element counts >= 0" % (key, n))
-
-
-def _check_positive_int(name, value):
-    if not isinstance(value, int) or value < 1:
-        raise ValueError("%s must be a positive integer, got %r" % (name, value))
-
-
 # --- measures -------------------------------------------------------------------------------
-
-def granularity(key_sizes, min_slice=DEFAULT_MIN_SLICE):
-    """The largest unsplittable unit, in elements: ``max_k min(n_k, 2*min_slice - 1)``."""
-    _check_positive_int("min_slice", min_slice)
-    return max((min(n, 2 * min_slice - 1) for n in key_sizes.values()), default=0)
-
-
-def lower_bound(key_sizes, bandwidths, itemsize=4):
-    """The proportional bound ``total_bytes / sum(b)``: no placement has a smaller makespan."""
-    b = _check_bandwidths(bandwidths)
-    _check_sizes(key_sizes)
-    return sum(key_sizes.values()) * itemsize / sum(b)
-
-
-def guaranteed_makespan(key_sizes, bandwidths, min_slice=DEFAULT_MIN_SLICE, itemsize=4):
-    """What ``proportional_plan`` promises: ``lower_bound + granularity * itemsize / min(b)``.
-
-    The makespan of its result is strictly below this (see the module docstring)."""
-    b = _check_bandwidths(bandwidths)
-    return (lower_bound(key_sizes, b, itemsize)
-            + granularity(key_sizes, min_slice) * itemsize / min(b))
-
 
 def bytes_per_server(table, num_servers, itemsize=4):
     """Bytes each server holds under ``table``."""
@@ -234,228 +128,6 @@ def check_table(table, key_sizes, num_servers, min_slice=DEFAULT_MIN_SLICE):
                                 % (key, short[0].length, min_slice))
 
 
-def default_table(key_sizes, num_servers, bigarray_bound=MXNET_BIGARRAY_BOUND):
-    """MXNet 1.9.1's placement of every key (``mxnet_default_rule``)."""
-    return {k: mxnet_default_rule(k, n, num_servers, bigarray_bound)
-            for k, n in key_sizes.items()}
-
-
-# --- the planner ----------------------------------------------------------------------------
-
-def _whole_on(previous, key, n, num_servers):
-    """The server that held the whole key ``key`` of ``n`` elements in ``previous``, or None."""
-    if not previous:
-        return None
-    old = previous.get(key)
-    if old is None or len(old) != 1:
-        return None
-    s = old[0]
-    if s.offset != 0 or s.length != n or not 0 <= s.server < num_servers:
-        return None
-    return s.server
-
-
-def _best_cut(x, p, starts, sizes, total, m):
-    """The largest admissible cut in ``[p, x]`` given the previous cut ``p`` (see step 2)."""
-    if x <= p:
-        return p
-    if x >= total:
-        return total
-    i = bisect.bisect_right(starts, x) - 1
-    a = starts[i]
-    if x == a:
-        return x                            # a key boundary
-    e = a + sizes[i]
-    lo, hi = a + m, e - m
-    if a < p:                               # p is a cut inside this key
-        lo = max(lo, p + m)
-    if lo <= hi and x >= lo:
-        return min(x, hi)
-    return max(a, p)
-
-
-def _place_small(key_sizes, b, previous, min_slice, target):
-    """Step 1: unsplittable keys whole; returns (table, load in elements)."""
-    S = len(b)
-    load = [0] * S
-    table = {}
-    small = sorted(((n, k) for k, n in key_sizes.items() if n < 2 * min_slice),
-                   key=lambda nk: (-nk[0], nk[1]))
-    for n, key in small:
-        s = _whole_on(previous, key, n, S)
-        if s is None or load[s] + n > target[s]:
-            s = min(range(S), key=lambda i: ((load[i] + n) / b[i], i))
-        load[s] += n
-        table[key] = (Slice(s, 0, n),)
-    return table, load
-
-
-def _targets(key_sizes, b):
-    total = sum(key_sizes.values())
-    bsum = sum(b)
-    return [total * r / bsum for r in b]            # elements
-
-
-def _big_keys(key_sizes, min_slice):
-    return sorted(((n, k) for k, n in key_sizes.items() if n >= 2 * min_slice),
-                  key=lambda nk: (-nk[0], nk[1]))
-
-
-def _construct(key_sizes, b, previous, min_slice):
-    """Steps 1 and 2: the proportional plan (the one the guarantee is about)."""
-    S = len(b)
-    target = _targets(key_sizes, b)
-    table, load = _place_small(key_sizes, b, previous, min_slice, target)
-    big = _big_keys(key_sizes, min_slice)
-    if not big:
-        return table
-    sizes = [n for n, _ in big]
-    starts = []
-    pos = 0
-    for n in sizes:
-        starts.append(pos)
-        pos += n
-    big_total = pos
-    bins = [s for s in range(S) if target[s] - load[s] > 0]
-    if not bins:                                    # float dust: everyone at target
-        bins = [min(range(S), key=lambda i: (load[i] / b[i], i))]
-    cuts = []
-    p, c = 0, 0.0
-    for s in bins[:-1]:
-        c += target[s] - load[s]
-        p = _best_cut(min(math.floor(c), big_total), p, starts, sizes, big_total, min_slice)
-        cuts.append(p)
-    cuts.append(big_total)
-
-    j = 0                                           # first bin that may overlap key i
-    lo_j = 0                                        # start of bin j
-    for i, (n, key) in enumerate(big):
-        a, e = starts[i], starts[i] + n
-        while cuts[j] <= a:                         # bin j ends before the key starts
-            lo_j = cuts[j]
-            j += 1
-        pieces = []
-        jj, lo = j, lo_j
-        while lo < e:
-            hi = min(cuts[jj], e)
-            start = max(lo, a)
-            if hi > start:
-                pieces.append(Slice(bins[jj], start - a, hi - start))
-            lo = cuts[jj]
-            jj += 1
-        table[key] = tuple(pieces)
-    return table
-
-
-def _reshape(key_sizes, b, previous, min_slice):
-    """The stay-put candidate: every splittable key keeps the servers (and their order) it had
-    in ``previous`` as far as they have room, its cuts moved to share it in proportion to that
-    room; a key that fits whole on its one previous server stays whole.  No bound of its own:
-    it is used only when its makespan is within the guarantee (``proportional_plan``)."""
-    S = len(b)
-    target = _targets(key_sizes, b)
-    table, load = _place_small(key_sizes, b, previous, min_slice, target)
-    room = [t - x for t, x in zip(target, load)]
-    order = []
-    for n, key in _big_keys(key_sizes, min_slice):
-        old = previous.get(key) if previous else None
-        if old is not None and (sum(s.length for s in old) != n
-                                or any(not 0 <= s.server < S for s in old)):
-            old = None
-        order.append((old is None or len(old) != 1, n, key, old))
-    order.sort(key=lambda x: (x[0], -x[1], x[2]))
-    for _, n, key, old in order:
-        olds = [s.server for s in sorted(old, key=lambda s: s.offset)] if old else []
-        if len(olds) == 1 and room[olds[0]] >= n:
-            room[olds[0]] -= n
-            table[key] = (Slice(olds[0], 0, n),)
-            continue
-        seq = [s for s in olds if room[s] > 0]
-        if sum(room[s] for s in seq) < n:
-            seq += [s for s in range(S) if room[s] > 0 and s not in seq]
-        if not seq:
-            seq = [max(range(S), key=lambda i: (room[i], -i))]
-        while len(seq) > 1:                         # drop shares under min_slice
-            r = sum(max(room[s], 0) for s in seq)
-            want = [n * max(room[s], 0) / r for s in seq]
-            low = min(range(len(seq)), key=lambda i: (want[i], -i))
-            if want[low] >= min_slice + 1:
-                break
-            del seq[low]
-        r = sum(max(room[s], 0) for s in seq) or 1.0
-        pieces, pos, acc = [], 0, 0.0
-        for i, s in enumerate(seq):
-            acc += max(room[s], 0)
-            stop = n if i == len(seq) - 1 else min(n, int(round(n * acc / r)))
-            if stop > pos:
-                pieces.append(Slice(s, pos, stop - pos))
-                room[s] -= stop - pos
-                pos = stop
-        table[key] = tuple(pieces)
-    return table
-
-
-def proportional_plan(key_sizes, bandwidths, previous=None, min_slice=DEFAULT_MIN_SLICE,
-                      itemsize=4, bigarray_bound=MXNET_BIGARRAY_BOUND, slack=0.01):
-    """A table ``{key: (Slice, ...)}`` placing ``key_sizes`` (elements per key) on
-    ``len(bandwidths)`` servers with makespan ``< guaranteed_makespan(...)``, by the rules of
-    ``check_table``; see the module docstring for the algorithm and the proof.
-
-    ``previous``: the table in force, if any; slices stay where they are when that costs
-    little: a makespan within ``1 + slack`` of the best candidate's and within the guarantee
-    (compare ``moved_bytes`` and ``should_replan`` before adopting the result).
-    ``bigarray_bound``: MXNet's placement with this bound is a candidate (None: not tried).
-    ``itemsize`` only scales bytes; the placement does not depend on it.
-
-    Raises:
-        ValueError: a bandwidth is not positive, a size is negative, min_slice < 1, slack < 0.
-    """
-    if not slack >= 0:
-        raise ValueError("slack must be >= 0 (a fraction of the makespan), got %r" % (slack,))
-    b = _check_bandwidths(bandwidths)
-    _check_sizes(key_sizes)
-    _check_positive_int("min_slice", min_slice)
-    _check_positive_int("itemsize", itemsize)
-    S = len(b)
-
-    def score(candidates):
-        out = []
-        for name, table in candidates:
-            if name != "proportional":          # the construction follows the rules by design
-                try:
-                    check_table(table, key_sizes, S, min_slice)
-                except PlanError:
-                    continue
-            out.append((makespan(table, key_sizes, b, itemsize), name, table))
-        return out
-
-    # from scratch: the smallest makespan (the first listed on a tie)
-    fresh = [("proportional", _construct(key_sizes, b, None, min_slice)),
-             ("spread", _reshape(key_sizes, b, None, min_slice))]
-    if bigarray_bound is not None:
-        fresh.append(("mxnet", default_table(key_sizes, S, bigarray_bound)))
-    fresh = score(fresh)
-    span, _, name, table = min((x[0], i, x[1], x[2]) for i, x in enumerate(fresh))
-    if previous is None:
-        log.debug("adaptive plan: %s candidate, makespan %.6g s (bound %.6g s)",
-                  name, span, lower_bound(key_sizes, b, itemsize))
-        return table
-
-    # with a previous table: the fewest moved bytes within budget
-    budget = min([guaranteed_makespan(key_sizes, b, min_slice, itemsize), span * (1 + slack)]
-                 + [x[0] for x in fresh if x[1] == "mxnet"])
-    budget = max(budget, span)
-    stay = score([("previous", {k: tuple(previous[k]) for k in key_sizes if k in previous}),
-                  ("stay-put", _reshape(key_sizes, b, previous, min_slice)),
-                  ("proportional", _construct(key_sizes, b, previous, min_slice))])
-    moved, span, _, name, table = min(
-        (moved_bytes(previous, x[2], itemsize), x[0], i, x[1], x[2])
-        for i, x in enumerate(stay + fresh) if x[0] <= budget * (1 + 1e-12))
-    log.debug("adaptive plan: %s candidate, makespan %.6g s (bound %.6g s, budget %.6g s), "
-              "moves %d bytes", name, span, lower_bound(key_sizes, b, itemsize), budget, moved)
-    return table
-
-
 # --- hysteresis -----------------------------------------------------------------------------
 
 def replan_gain(previous, proposal, bandwidths, move_cost_s_per_byte, itemsize=4,
@@ -480,21 +152,6 @@ def replan_gain(previous, proposal, bandwidths, move_cost_s_per_byte, itemsize=4
     return gain, cost
 
 
-def should_replan(previous, proposal, bandwidths, move_cost_s_per_byte, horizon_steps,
-                  itemsize=4, state_copies=2):
-    """True when adopting ``proposal`` pays off within ``horizon_steps`` steps:
-    ``gain_per_step * horizon_steps > move_cost`` (``replan_gain``) with a positive gain.
-    With no ``previous`` table there is nothing to keep: True.
-    """
-    if previous is None:
-        return True
-    if horizon_steps < 0:
-        raise ValueError("horizon_steps must be >= 0, got %r" % (horizon_steps,))
-    gain, cost = replan_gain(previous, proposal, bandwidths, move_cost_s_per_byte, itemsize,
-                             state_copies)
-    return gain > 0 and gain * horizon_steps > cost
-
-
 # --- live re-planning -----------------------------------------------------------------------
 
 def split_table(keys, bandwidths, min_slice=DEFAULT_MIN_SLICE, max_chunk=0):
@@ -503,11 +160,10 @@ def split_table(keys, bandwidths, min_slice=DEFAULT_MIN_SLICE, max_chunk=0):
     ``2 * min_slice`` elements cut over the servers in proportion to what each lacks of its
     share, smaller keys whole on the server furthest below its share.
 
-    This is the live re-planner's proposal.  Unlike ``proportional_plan`` it cuts every large
-    key over all servers rather than placing keys whole: a key's push and pull then go to
-    every server at once, so each server's traffic is spread over the whole step (the step
-    waits for no single server's queue of whole keys) and each server's measured rate reflects
-    its link rather than when its keys' gradients happen to be ready.
+    This is the live re-planner's proposal: every large key over all servers (a key's push
+    and pull then go to every server at once, so each server's traffic is spread over the
+    whole step and its measured rate reflects its link rather than when its keys' gradients
+    happen to be ready).
 
     With ``max_chunk`` each server's part of a key is cut further into chunks of at most that
     many elements (``ProportionalRule``), so that the table may hold several consecutive slices

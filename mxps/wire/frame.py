@@ -9,7 +9,7 @@ JSON control body).  The header:
     4      1    version (WIRE_VERSION)
     5      1    type   (MsgType)
     6      1    dtype  (DTYPE codes below; 255 = no array payload)
-    7      1    flags  (Flag bits)
+    7      1    flags  (reserved, 0)
     8      4    key    (int32, the kvstore key id)
     12     4    sender (int32, rank of the sending node in its role; -1 = unknown)
     16     8    iteration (int64: per-key push count of the sending worker, 1-based)
@@ -60,7 +60,6 @@ class MsgType(enum.IntEnum):
     SET_OPTIMIZER = 14  # rank 0 -> server: pickled optimizer (MXNet sends pickles too)
     GET_STATES = 15     # worker -> server: pickled optimizer states of its slices
     SET_STATES = 16     # worker -> server: restore optimizer states
-    COMMAND = 17        # worker -> server: (cmd id, body), MXNet's _send_command_to_servers
     PROBE = 24          # worker -> server: N bytes, answered with N bytes (bandwidth probe)
     BANDWIDTH = 25      # worker -> scheduler: JSON measured rates; scheduler -> workers: agreed
     REPLAN = 26         # worker -> scheduler: traffic of the last rounds, waits for the answer;
@@ -72,10 +71,6 @@ class MsgType(enum.IntEnum):
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)
-
-
-class Flag(enum.IntFlag):
-    NONE = 0
 
 
 def dtype_code(dtype):
