@@ -170,7 +170,7 @@ def run_badinput():
 
 
 def run_disagree():
-    from mxps.wire import Header, MsgType
+    from mxps.wire.frame import Header, MsgType
     kv = mx.kv.create("mxps")
     rank = kv.rank
     _write_json("ready_rank%d.json" % rank, {"rank": rank, "pid": os.getpid(), "step": 0})

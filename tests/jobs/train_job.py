@@ -282,7 +282,7 @@ def run_module():
 
 def delay_gradients(params, seconds):
     import threading
-    from mxps import engine
+    from mxps.kernels import engine
     grads = [g.handle.value for p in params.values() if p.grad_req != "null"
              for g in p.list_grad()]
     engine.push_async(lambda done: threading.Timer(seconds, done).start(), [], grads, 0,
