@@ -1,0 +1,435 @@
+"""The scheduler's protocol as a state machine: one message in, what to do out.
+
+The scheduler's rules (who gets which rank, when a barrier opens, when a silent node ends the
+job, when a re-plan point is answered) used to live inside its zmq loop, so only multi-process
+jobs exercised them.  Here they hold no socket and read no clock: ``on_message`` takes one
+message (the sender's zmq identity, the header, the payload bytes) and the current time,
+``tick`` takes the time alone (start, heartbeat and plan deadlines), and both return a ``Step``:
+the messages to send (to which identities), the job's facts when they are due to be written
+(MXPS_JOB_INFO), and, when the job ends, its exit code and reason.  ``mxps.roles.scheduler``
+is the loop that does the I/O; tests drive this class with a made-up clock.
+
+The protocol:
+- rendezvous: DMLC_NUM_SERVER servers and DMLC_NUM_WORKER workers REGISTER within
+  MXPS_START_TIMEOUT; each role is ranked by address (as ps-lite does) and every node gets a
+  WELCOME with its rank, the server addresses and the mode (sync or async: the workers' choice,
+  which must be the same for all).  A node beyond the job's size is refused with an ABORT.
+- barriers: released (ACK, key -2) once every worker that has not finished arrived.
+- liveness: any message from a node counts as a heartbeat; a node silent for
+  MXPS_HEARTBEAT_TIMEOUT, or one reporting its own failure (ABORT), ends the job: every node
+  gets an ABORT naming it, exit code EXIT_LOST_PEER.
+- FINISH from every worker: SHUTDOWN to every node, exit code 0.
+- BANDWIDTH: every worker's probe timings -> one agreed rate per server, sent to every worker.
+- re-plan points (docs/REPLAN.md): every live worker's REPLAN of one round -> the Replanner
+  decides -> either the workers are answered at once, or the servers get the PLAN and the
+  workers are answered once every server acknowledged it (within MXPS_TIMEOUT).
+"""
+import ipaddress
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import List, NamedTuple, Optional
+
+from ..placement import adaptive
+from ..placement.plan import table_from_json, table_to_json
+from ..wire.frame import Header, MsgType
+from .link import EXIT_LOST_PEER
+
+log = logging.getLogger("mxps.scheduler")
+
+BARRIER_KEY = -2            # an ACK with this key releases a barrier (SchedulerLink.handle)
+ROLES = ("server", "worker")
+CLEAN_EXIT_REASON = "all workers finished"
+
+
+class Send(NamedTuple):
+    """One message for the loop to send: to the node whose zmq identity is ``ident``."""
+    ident: bytes
+    header: Header
+    body: Optional[bytes] = None
+
+
+class Exit(NamedTuple):
+    code: int
+    reason: str
+
+
+@dataclass
+class Step:
+    """What the loop must do after one input, in this order: write ``facts`` to MXPS_JOB_INFO
+    if not None (before the WELCOMEs go out, so a node that started can find them); send
+    ``sends``; end the process with ``exit`` if not None."""
+    sends: List[Send] = field(default_factory=list)
+    facts: Optional[dict] = None
+    exit: Optional[Exit] = None
+
+
+class Node:
+    __slots__ = ("ident", "role", "host", "port", "pid", "mode", "rank", "last_heard",
+                 "finished")
+
+    def __init__(self, ident, role, host, port, pid, mode, now):
+        self.ident = ident
+        self.role = role
+        self.host = host
+        self.port = port
+        self.pid = pid
+        self.mode = mode
+        self.rank = -1
+        self.last_heard = now
+        self.finished = False
+
+    def describe(self):
+        return "%s %d (%s:%s, pid %s)" % (self.role, self.rank, self.host, self.port, self.pid)
+
+    def fact(self):
+        return {"rank": self.rank if self.rank >= 0 else None, "host": self.host,
+                "port": self.port, "pid": self.pid}
+
+
+def address_order(node):
+    """Sort key: ranks follow addresses (IP addresses numerically, then port, then pid)."""
+    try:
+        host = ipaddress.ip_address(node.host)
+    except ValueError:
+        host = node.host
+    return (str(type(host)), host, node.port, node.pid)
+
+
+class SchedulerState:
+    """All of the scheduler's protocol state; see the module docstring.  ``now`` is a
+    monotonic time in seconds, supplied by the caller with every input."""
+
+    def __init__(self, cfg, now):
+        self.cfg = cfg
+        self.want = {"server": cfg.num_servers, "worker": cfg.num_workers}
+        self.start_deadline = now + cfg.start_timeout
+        self.started_at = None     # when the rendezvous completed
+        self.mode = None
+        self.nodes = {}            # ident -> Node, in registration order
+        self.barrier_waiting = []  # Nodes
+        self.barrier_count = 0
+        self.rate_reports = {}     # worker rank -> probe timings {bytes, seconds} per server
+        self.replanner = adaptive.Replanner(cfg.num_servers, cfg.num_workers,
+                                            window=cfg.replan_window)
+        self.replan_reports = {}   # worker rank -> its REPLAN request body
+        self.replan_points = 0     # re-plan points passed (MXPS_REPLAN_FORCE counts them)
+        self.plan_version = 0
+        self.pending_plan = None   # a plan the servers are moving state for
+        self.points = []           # the job facts' "replan_points"
+        self.exit = None
+        self._now = now
+        self._step = None
+
+    # -- inputs ------------------------------------------------------------------------------
+    def on_message(self, ident, header, payload, now):
+        """One message from the node with zmq identity ``ident``; ``payload``: bytes or None."""
+        self._begin(now)
+        node = self.nodes.get(ident)
+        if self.exit is not None:
+            pass
+        elif header.type == MsgType.REGISTER and node is None:
+            self._on_register(ident, json.loads(payload))
+        elif node is not None:
+            node.last_heard = now
+            if self.started_at is not None:
+                self._on_message(node, header, payload)
+        return self._end()
+
+    def tick(self, now):
+        """The passing of time: the start, plan and heartbeat deadlines."""
+        self._begin(now)
+        if self.exit is not None:
+            pass
+        elif self.started_at is None:
+            if now >= self.start_deadline:
+                self._abort(self._start_timeout_message())
+        elif not self._check_plan_deadline():
+            self._check_heartbeats()
+        return self._end()
+
+    def abort(self, reason, now):
+        """End the job from outside the protocol (the loop's own failure), naming ``reason``."""
+        self._begin(now)
+        if self.exit is None:
+            self._abort(reason)
+        return self._end()
+
+    def facts(self):
+        """The job's facts as data (what MXPS_JOB_INFO receives)."""
+        return {"mode": self.mode, "servers": self._roster("server"),
+                "workers": self._roster("worker"),
+                "replan_points": [dict(p) for p in self.points],
+                "exit": None if self.exit is None else dict(self.exit._asdict())}
+
+    def _begin(self, now):
+        self._now = now
+        self._step = Step()
+
+    def _end(self):
+        step, self._step = self._step, None
+        return step
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _send(self, node, type_, body=None, **fields):
+        self._step.sends.append(Send(node.ident, Header(type_, **fields), body))
+
+    def _workers(self):
+        return [n for n in self.nodes.values() if n.role == "worker"]
+
+    def _servers(self):
+        return [n for n in self.nodes.values() if n.role == "server"]
+
+    def _live_workers(self):
+        return [n for n in self._workers() if not n.finished]
+
+    def _roster(self, role):
+        group = sorted((n for n in self.nodes.values() if n.role == role),
+                       key=lambda n: (n.rank, address_order(n)))
+        return [n.fact() for n in group]
+
+    def _count(self, role):
+        return sum(n.role == role for n in self.nodes.values())
+
+    def _end_job(self, code, reason):
+        self.exit = Exit(code, reason)
+        self._step.exit = self.exit
+        self._step.facts = self.facts()
+
+    def _abort(self, reason):
+        log.error("aborting the job: %s", reason)
+        body = reason.encode()
+        for n in self.nodes.values():
+            self._send(n, MsgType.ABORT, body)
+        self._end_job(EXIT_LOST_PEER, reason)
+
+    # -- rendezvous --------------------------------------------------------------------------
+    def _on_register(self, ident, info):
+        role = info.get("role")
+        if role not in self.want:
+            return
+        if self._count(role) >= self.want[role]:
+            refusal = "the job already has %d %ss (DMLC_NUM_%s)" % (
+                self.want[role], role, role.upper())
+            self._step.sends.append(Send(ident, Header(MsgType.ABORT), refusal.encode()))
+            return
+        self.nodes[ident] = Node(ident, role, info["host"], info["port"], info["pid"],
+                                 info.get("mode"), self._now)
+        if all(self._count(r) == k for r, k in self.want.items()):
+            self._start()
+
+    def _start_timeout_message(self):
+        return ("mxps scheduler: only %d of %d servers and %d of %d workers registered within "
+                "%.0f s (MXPS_START_TIMEOUT)" % (
+                    self._count("server"), self.want["server"], self._count("worker"),
+                    self.want["worker"], self.cfg.start_timeout))
+
+    def _start(self):
+        servers = sorted(self._servers(), key=address_order)
+        workers = sorted(self._workers(), key=address_order)
+        for group in (servers, workers):
+            for rank, n in enumerate(group):
+                n.rank = rank
+        # sync or async is the workers' choice (the kvstore name, e.g. mxps_async, or their
+        # MXPS_MODE); the servers follow it
+        if len({n.mode for n in workers}) != 1:
+            self._abort("workers disagree on the mode: %s (kvstore names or MXPS_MODE differ "
+                        "between workers)" % ", ".join("worker %d: %s" % (n.rank, n.mode)
+                                                       for n in workers))
+            return
+        self.mode = workers[0].mode
+        self.started_at = self._now
+        server_addrs = [[n.host, n.port] for n in servers]
+        for n in servers + workers:
+            body = json.dumps({"rank": n.rank, "role": n.role, "servers": server_addrs,
+                               "num_workers": self.cfg.num_workers,
+                               "num_servers": self.cfg.num_servers,
+                               "mode": self.mode}).encode()
+            self._send(n, MsgType.WELCOME, body)
+            n.last_heard = self._now
+        log.info("job started: %d servers %s, %d workers", len(servers),
+                 ["%s:%d" % tuple(a) for a in server_addrs], len(workers))
+        log.info("mode: %s", self.mode)
+        self._step.facts = self.facts()
+
+    # -- the running job ---------------------------------------------------------------------
+    def _on_message(self, node, h, payload):
+        if h.type == MsgType.HEARTBEAT:
+            self._send(node, MsgType.HEARTBEAT)
+        elif h.type == MsgType.BARRIER:
+            self.barrier_waiting.append(node)
+            self._maybe_release_barrier()
+        elif h.type == MsgType.BANDWIDTH:
+            self._on_bandwidth(node, json.loads(payload))
+        elif h.type == MsgType.REPLAN:
+            self.replan_reports[node.rank] = json.loads(payload)
+            self._maybe_replan()
+        elif h.type == MsgType.PLAN:
+            self._on_plan_ack(node, json.loads(payload))
+        elif h.type == MsgType.ABORT:
+            reason = payload.decode() if payload is not None else "unknown error"
+            self._abort("%s failed: %s" % (node.describe(), reason))
+        elif h.type == MsgType.FINISH:
+            self._on_finish(node)
+
+    def _maybe_release_barrier(self):
+        if self.barrier_waiting and len(self.barrier_waiting) >= len(self._live_workers()):
+            self.barrier_count += 1
+            for n in self.barrier_waiting:
+                self._send(n, MsgType.ACK, key=BARRIER_KEY, iteration=self.barrier_count)
+            self.barrier_waiting = []
+
+    def _on_bandwidth(self, node, report):
+        self.rate_reports[node.rank] = report
+        if len(self.rate_reports) < self.cfg.num_workers:
+            return
+        reports = list(self.rate_reports.values())
+        self.rate_reports = {}
+        # a server's rate: all bytes echoed through it over the slowest worker's time
+        rates = [sum(r["bytes"][s] for r in reports) / max(r["seconds"][s] for r in reports)
+                 for s in range(self.cfg.num_servers)]
+        log.info("server rates agreed (MB/s): %s", " ".join("%.1f" % (r / 1e6) for r in rates))
+        self.replanner.rates = list(rates)
+        body = json.dumps({"rates": rates}).encode()
+        for n in self._workers():
+            self._send(n, MsgType.BANDWIDTH, body)
+
+    def _on_finish(self, node):
+        node.finished = True
+        if all(n.finished for n in self._workers()):
+            for n in self.nodes.values():
+                self._send(n, MsgType.SHUTDOWN)
+                n.finished = True
+            log.info("all workers finished; job done")
+            self._end_job(0, CLEAN_EXIT_REASON)
+            return
+        # a barrier or re-plan point some finished worker will never join must not wait for it
+        self._maybe_release_barrier()
+        self._maybe_replan()
+
+    def _check_heartbeats(self):
+        for n in self.nodes.values():
+            silent = self._now - n.last_heard
+            if not n.finished and silent > self.cfg.heartbeat_timeout:
+                self._abort("lost %s: no heartbeat for %.1f s (MXPS_HEARTBEAT_TIMEOUT=%s); the "
+                            "process died or hangs" % (n.describe(), silent,
+                                                       self.cfg.heartbeat_timeout))
+                return
+
+    # -- live re-planning --------------------------------------------------------------------
+    def _maybe_replan(self):
+        """Every live worker reached the re-plan point of the same round, having drained its own
+        operations.  At a full point (every worker waits for the answer, so nothing is in
+        flight anywhere) measure, decide, and either release them at once or have the servers
+        move state first; at a light one (workers went on) measure and say whether the next
+        point must be a full one (``Replanner.wants_point``)."""
+        if not self.replan_reports or len(self.replan_reports) < len(self._live_workers()):
+            return
+        reports, self.replan_reports = self.replan_reports, {}
+        point = self._agreed_point(reports)
+        if point is None:
+            return
+        round_, is_full = point
+        self.replanner.observe([r.get("traffic", {}) for r in reports.values()])
+        lead = reports.get(0) or reports[min(reports)]
+        keys, old, opts = self._placement(lead)
+        # MXPS_REPLAN_FORCE=N: a forced new table at every N-th point (always a full one)
+        self.replan_points += 1
+        every = int(lead.get("force") or 0)
+        forced_next = bool(every) and (self.replan_points + 1) % every == 0
+        table = None
+        if keys is not None and is_full:
+            table = self.replanner.decide(
+                keys, old, self.plan_version + 1, round_,
+                force=bool(every) and self.replan_points % every == 0, **opts)
+        if table is None:
+            self._keep_plan(round_, is_full, forced_next or (
+                keys is not None and self.replanner.wants_point(keys, old, **opts)))
+        else:
+            self._send_plan(round_, old, table, forced_next or self.replanner.suspects_change())
+
+    def _agreed_point(self, reports):
+        """(round, full?) of a point every worker reported alike; else abort, naming each."""
+        rounds = sorted({r["round"] for r in reports.values()})
+        if len(rounds) != 1:
+            self._abort("workers reached the re-plan point at different rounds (%s): they do "
+                        "not push the same keys the same number of times"
+                        % ", ".join("worker %d: %d" % (w, r["round"])
+                                    for w, r in sorted(reports.items())))
+            return None
+        full = {bool(r.get("full", True)) for r in reports.values()}
+        if len(full) != 1:
+            self._abort("workers disagree whether the re-plan point of round %d is a full one "
+                        "(%s)" % (rounds[0], ", ".join("worker %d: %s" % (w, r.get("full", True))
+                                                      for w, r in sorted(reports.items()))))
+            return None
+        return rounds[0], full.pop()
+
+    @staticmethod
+    def _placement(lead):
+        """(keys, table in force, planner options) from rank 0's report, or Nones."""
+        if "table" not in lead:
+            return None, None, {}
+        opts = dict(min_slice=int(lead.get("min_slice", adaptive.DEFAULT_MIN_SLICE)),
+                    min_gain=float(lead.get("min_gain", 0.05)),
+                    horizon=int(lead.get("horizon", 20)),
+                    max_chunk=int(lead.get("max_chunk", 0)))
+        keys = [(int(k), int(n)) for k, n in lead["keys"]]
+        return keys, table_from_json(lead["table"]), opts
+
+    def _keep_plan(self, round_, is_full, full_next):
+        log.info("round %d: %s point, plan %d kept; next point %s", round_,
+                 "full" if is_full else "light", self.plan_version,
+                 "full" if full_next else "light")
+        self._record_point(round_, is_full, False, full_next, 0)
+        self._release({"version": self.plan_version, "table": None,
+                       "rates": self.replanner.rates, "full_next": full_next})
+
+    def _send_plan(self, round_, old, table, full_next):
+        self.plan_version += 1
+        self.pending_plan = {"version": self.plan_version, "table": table, "acks": set(),
+                             "moved": adaptive.moved_bytes(old, table, 4), "round": round_,
+                             "full_next": full_next, "deadline": self._now + self.cfg.timeout}
+        body = json.dumps({"version": self.plan_version, "old": table_to_json(old),
+                           "new": table_to_json(table)}).encode()
+        for n in self._servers():
+            self._send(n, MsgType.PLAN, body, plan_version=self.plan_version)
+
+    def _on_plan_ack(self, node, body):
+        p = self.pending_plan
+        if p is None or body.get("version") != p["version"]:
+            return
+        if body.get("error"):
+            self._abort("%s could not move state for plan %d: %s"
+                        % (node.describe(), p["version"], body["error"]))
+            return
+        p["acks"].add(node.rank)
+        if len(p["acks"]) < self.cfg.num_servers:
+            return
+        self.pending_plan = None
+        log.info("plan %d in place (round %d, %d bytes moved)", p["version"], p["round"],
+                 p["moved"])
+        self._record_point(p["round"], True, True, p["full_next"], p["moved"])
+        self._release({"version": p["version"], "table": table_to_json(p["table"]),
+                       "moved_bytes": p["moved"], "rates": self.replanner.rates,
+                       "full_next": p["full_next"]})
+
+    def _check_plan_deadline(self):
+        p = self.pending_plan
+        if p is None or self._now <= p["deadline"]:
+            return False
+        late = [n.describe() for n in self._servers() if n.rank not in p["acks"]]
+        self._abort("plan %d: %s did not finish moving state within %.0f s (MXPS_TIMEOUT)"
+                    % (p["version"], ", ".join(late), self.cfg.timeout))
+        return True
+
+    def _record_point(self, round_, is_full, new_plan, full_next, moved):
+        self.points.append({"round": round_, "kind": "full" if is_full else "light",
+                            "plan_version": self.plan_version, "new_plan": new_plan,
+                            "full_next": bool(full_next), "moved_bytes": int(moved),
+                            "at": round(self._now - self.started_at, 6)})
+
+    def _release(self, body):
+        data = json.dumps(body).encode()
+        for n in self._live_workers():
+            self._send(n, MsgType.REPLAN, data, plan_version=body["version"])
