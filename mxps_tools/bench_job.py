@@ -8,7 +8,7 @@ sizes in kvstore key order (for bytes-per-server predictions) and absolute step 
 With --progress every worker also prints ``BENCH_STEP <rank> <step> <unix time>`` after each
 step (``mxps bench`` follows these for its progress bar and its measurement windows).
 
-    python examples/bench_job.py --kvstore mxps --model resnet18_v1 --steps 20 --out r.jsonl
+    python -m mxps_tools.bench_job --kvstore mxps --model resnet18_v1 --steps 20 --out r.jsonl
 """
 import argparse
 import json

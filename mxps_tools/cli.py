@@ -3,8 +3,8 @@
     mxps launch -n 2 -s 2 -- python examples/train_digits.py
 
 runs MXNet's own launcher (``<site-packages>/mxnet/tools/launch.py --launcher local``), unchanged,
-inside a private network namespace (mxps.emunet): the local launcher gives every process this
-machine's external address as DMLC_PS_ROOT_URI; inside the namespace that address is the
+inside a private network namespace (mxps_tools.emunet): the local launcher gives every process
+this machine's external address as DMLC_PS_ROOT_URI; inside the namespace that address is the
 namespace's own 198.18.0.0/15 address, so the job's traffic never leaves the namespace.  Needs
 root (network namespaces).
 
@@ -12,7 +12,17 @@ root (network namespaces).
     mxps bench --scenario static            # 4 workers x 4 servers, resnet18_v1
     mxps bench --network loopback -n 2 -s 2
 
-runs native dist_sync and mxps side by side on an emulated heterogeneous network (mxps.bench).
+runs native dist_sync and mxps side by side on an emulated heterogeneous network
+(mxps_tools.bench).
+
+    mxps plot metrics-*.jsonl --out-dir plots/
+
+The command is never a parameter-server role, even when a job's ``DMLC_ROLE=server`` is in the
+shell: building the parser imports only the tools (``mxps_tools.bench`` and ``jobs``, which import
+no MXNet at import time), and a command that needs the runtime reaches it through
+``mxps_tools.runtime`` (tests/test_install.py runs the installed scripts with a job's variables
+set).  Plots need matplotlib (``pip install 'mxps[examples]'``), which a plain ``pip install mxps``
+does not bring: a command that would draw checks for it before doing anything else.
 """
 import argparse
 import importlib.util
@@ -35,7 +45,11 @@ def mxnet_launcher():
 
 def cmd_launch(args):
     from . import emunet, patching
-    if not patching.check():
+    try:
+        patched = patching.check()
+    except patching.PatchError as exc:
+        raise SystemExit("mxps launch: %s" % exc)
+    if not patched:
         raise SystemExit("mxps: MXNet's launcher is not patched for Python 3.9+ (its "
                          "dmlc_tracker calls Thread.isAlive). Run: mxps-patch apply")
     if not args.command:
@@ -58,6 +72,17 @@ def cmd_launch(args):
             return 130
 
 
+def require_matplotlib(what):
+    """Exit with a clear message (status 2) if matplotlib, which ``what`` needs, is missing.
+
+    Checked without importing it, before a command does any work: a bench that runs for
+    minutes must not fail only when it draws its plots."""
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.stderr.write("mxps: %s needs matplotlib, which is not installed: pip install "
+                         "'mxps[examples]' (or pip install matplotlib)\n" % what)
+        raise SystemExit(2)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="mxps", description="mxps parameter server tools")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -77,8 +102,11 @@ def main(argv=None):
     if args.cmd == "launch":
         return cmd_launch(args)
     if args.cmd == "bench":
+        if not args.no_plots:
+            require_matplotlib("mxps bench (without --no-plots)")
         return bench.main(args)
     if args.cmd == "plot":
+        require_matplotlib("mxps plot")
         from . import plot
         print(plot.plot(args.metrics, args.out_dir))
         return 0

@@ -1,20 +1,40 @@
-"""The fixes MXNet 1.9.1 needs for mxps: patch files applied to site-packages, and in-process.
+"""The fixes MXNet 1.9.1 needs for mxps, as patch files applied to the installed files.
 
-Two ways to fix, because the problems live in two kinds of process:
+``mxps-patch apply|check|status|revert`` applies the unified diffs in ``patches/`` (installed as
+package data ``mxps_tools/_patches``) to site-packages.  They fix code that runs in processes
+mxps does not control, e.g. the launcher ``mxnet/tools/launch.py`` and its ``dmlc_tracker``
+(patch 0001).  What ``import mxps`` can repair in the running interpreter is also fixed there,
+without touching files (patch 0002: ``mxps.adapter.fixes.apply_runtime_fixes``).
 
-* **Files** (`apply`, `check`, `revert`, `status`; console script ``mxps-patch``): the unified
-  diffs in ``patches/`` (installed as package data ``mxps_tools/_patches``) are applied to the
-  installed files. Needed for code that runs in a process mxps does not control, e.g. the
-  launcher ``mxnet/tools/launch.py`` and its ``dmlc_tracker`` (patch 0001).
-* **In-process** (`apply_runtime_fixes`): the same fix, for what ``import mxps`` can repair in
-  the running interpreter without touching files (patch 0002: ``_create_kvstore``).
+What matters: a three-way state per file (exactly the original around every hunk, a line offset
+allowed, no fuzz / exactly the patched content / anything else, refused with the file named
+before anything is written), an idempotent apply, a byte-identical revert, check/status exit
+codes, and an atomic write per file (temp file in the same directory + ``os.replace``).
 
-The diffs are applied by a small strict applier in pure Python rather than GNU ``patch``:
-``patch`` is missing from slim images, and we need more than it offers in one call: a
-three-way state per file (original / patched / anything else, with no fuzz), a refusal that
-names the file before anything is written, and an atomic write (temp file + ``os.replace``).
-The patch files stay ordinary ``diff -u`` output: ``patch -p1 -d <site-packages>`` applies
-them too (the tests check that both agree).
+Why a small applier of our own rather than a library or GNU ``patch`` (issue #8, item 6; tried
+on copies of the two MXNet files and on small ``diff -u`` outputs):
+
+* patch-ng 1.19.1 (``PatchSet.apply/revert``): with a hand-edited ``mxnet/model.py`` it still
+  rewrote ``dmlc_tracker/tracker.py`` and returned ``[True, False]`` (no check of every file
+  before writing); it writes in place after moving the original to ``<file>.orig`` (not atomic,
+  and a ``.orig`` left by an interrupted run aborts that file while the others get patched);
+  hunks only at their recorded line (two lines added at the top of tracker.py: refused); a CRLF
+  copy passes as the original (line ends are stripped before comparing); no state query for
+  ``-p1`` paths (``can_patch`` gave None); failures are log records and a bool; ``apply(root=)``
+  changes the process's working directory.  As a parser only it saves ~40 lines, but says why a
+  patch is bad only in log records and leaves ``\\ No newline`` lines to us.
+* whatthepatch 1.0.7 (``parse_patch`` + the pure ``apply_diff``): exact matching with an
+  exception naming the line, but a hunk whose last ``+`` line was lost (truncated patch) was
+  applied without a word and deleted the line, a ``\\ No newline at end of file`` diff gave the
+  wrong bytes, and hunks are only looked for at their recorded line.
+* GNU ``patch -p1 -F0`` gives the same bytes (tests/test_patching.py checks it) and writes
+  atomically, but it is Debian priority "optional", so missing from slim images (``pip install
+  mxps && mxps-patch apply`` must work there), and the three-way state needs two ``--dry-run``
+  calls per file plus parsing its English messages to name the file.  ``git apply`` (also
+  "optional") has the same gaps.
+
+So the ~100 lines of strict parser and applier below stay (no new dependency).  The patch files
+stay ordinary ``diff -u`` output: ``patch -p1 -d <site-packages>`` applies them too.
 
 This module must not import mxnet at import time (``import mxnet`` in a server or scheduler
 process starts MXNet's native ps-lite node), nor anything from the ``mxps`` runtime package.
@@ -29,7 +49,6 @@ import os
 import re
 import sys
 import tempfile
-import warnings
 
 __all__ = [
     "PatchError", "Patch", "PatchStatus",
@@ -202,7 +221,8 @@ def patches_dir(path=None):
         if d and glob.glob(os.path.join(d, "*.patch")):
             return d
     raise PatchError("no *.patch files found in %s; reinstall mxps (the patches are package "
-                     "data mxps_tools/_patches) or pass a directory" % " or ".join(map(str, candidates)))
+                     "data mxps_tools/_patches) or pass a directory"
+                     % " or ".join(map(str, candidates)))
 
 
 def load_patches(path=None):

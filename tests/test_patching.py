@@ -1,9 +1,11 @@
-"""Tests for mxps.patching: the MXNet 1.9.1 patch files, mxps-patch, and the runtime fixes.
+"""Tests for mxps_tools.patching (the MXNet 1.9.1 patch files, mxps-patch) and the runtime fixes
+(mxps.adapter.fixes).
 
 Nothing here modifies the real environment: the installed files are copied (as their pristine
 MXNet 1.9.1 content, even if the real environment is already patched) into a temporary
-directory laid out like site-packages. mxps.patching is loaded from its file, so the tests do
-not depend on mxps/__init__.py.
+directory laid out like site-packages. patching.py and fixes.py are loaded from their files, so
+the tests do not depend on an install or on mxps/__init__.py (whose import starts a role in a
+server process). The installed console script and the wheel's layout: tests/test_install.py.
 """
 import base64
 import csv
@@ -202,8 +204,9 @@ def test_gnu_patch_and_the_python_applier_give_identical_bytes(site, tmp_path):
 
 
 def test_patch_files_are_found_in_the_installed_layout(tmp_path):
-    """After `pip install .` the patches are package data mxps/_patches next to patching.py."""
-    pkg = tmp_path / "lib" / "mxps"
+    """Installed (`pip install .`), the patches are package data mxps_tools/_patches beside
+    patching.py."""
+    pkg = tmp_path / "lib" / "mxps_tools"
     shutil.copytree(PATCHES_DIR, pkg / "_patches")
     shutil.copy(PATCHING_PY, pkg / "patching.py")
     mod = _load_patching(str(pkg / "patching.py"), "mxps_patching_installed_layout")
@@ -274,7 +277,7 @@ RUNTIME_SCRIPT = """
     import importlib.util, json, sys
     spec = importlib.util.spec_from_file_location('mxps_fixes_sub', %(fixes)r)
     fixes = importlib.util.module_from_spec(spec); spec.loader.exec_module(fixes)
-    assert 'mxnet' not in sys.modules          # loading patching.py does not import mxnet
+    assert 'mxnet' not in sys.modules          # loading fixes.py does not import mxnet
 
     import mxnet as mx
     import mxnet.model as model
