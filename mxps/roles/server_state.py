@@ -1,0 +1,596 @@
+"""The server's protocol as a state machine: one incoming message in, the messages to send out.
+
+``ServerState`` holds everything a server knows (its slices, their rounds, waiting pulls, the
+optimizer, the re-plan in progress) and has no sockets and no clock, so every rule below can be
+driven message by message in one process (tests/test_server_state.py); ``mxps.roles.server``
+is the loop that feeds it from the sockets and sends what it returns (``Out``).
+
+Numerics follow MXNet 1.9.1's KVStoreDistServer (src/kvstore/kvstore_dist_server.h):
+- sync mode: the pushes of all DMLC_NUM_WORKER workers for one round of a key are summed
+  (first push copied, later ones added), then either the optimizer runs once on the sum
+  (``updater(key, merged, stored)``, update on kvstore) or the sum becomes the stored value
+  (update on workers); pulls for that round are answered after that.
+- async mode: every push is applied on arrival.
+Rounds are numbered by the workers (per-key push count), so a push that arrives early (a worker
+already in round r+1) waits in its own accumulator instead of corrupting round r.  The updater
+gets the key's own index, so Adam's per-index update counts and lr/wd multipliers behave as in
+MXNet.  A bad request gets an ERROR reply naming the key and the cause; the server keeps serving.
+Live re-planning (moving slices between servers) is described in docs/REPLAN.md.
+"""
+import json
+import logging
+import pickle
+
+import mxnet as mx
+import numpy as np
+
+from ..adapter.ndview import cut_state
+from ..kernels.accum import add_into, copy_into
+from ..placement import plan
+from ..store.memory import MemorySlice
+from ..wire import frame as wire
+from ..wire.frame import MsgType
+
+log = logging.getLogger("mxps.server")
+
+
+class RequestError(ValueError):
+    """A request the server refuses; the text goes back to the worker."""
+
+
+class Out:
+    """One message to send: ``to`` is ``CLIENT`` (``dest`` is the identity of the connection
+    the request came on: a worker, or a peer server sending a part), ``PEER`` (``dest`` is a
+    server rank: the loop opens a connection to it) or ``SCHEDULER`` (``dest`` is None; only
+    the header's type and the payload matter, the link fills in the rest)."""
+
+    CLIENT, PEER, SCHEDULER = "client", "peer", "scheduler"
+    __slots__ = ("to", "dest", "header", "payload")
+
+    def __init__(self, to, dest, header, payload=None):
+        self.to = to
+        self.dest = dest
+        self.header = header
+        self.payload = payload
+
+    def __repr__(self):
+        return "Out(%s %r %r)" % (self.to, self.dest, self.header)
+
+
+def _bytes(payload):
+    """The bytes of a payload: a zmq frame from the loop, or plain bytes."""
+    return payload.bytes if hasattr(payload, "bytes") else bytes(payload)
+
+
+def optimizer_index(key, offset):
+    """The optimizer's index for the slice of ``key`` starting at element ``offset``: the key
+    itself for a key's first slice (as MXNet's server), a distinct index for a key's further
+    slices on the same server (adaptive plans cut large slices into chunks so that one chunk's
+    pull overlaps the next chunk's push).  Every slice of a key is updated once per round, so
+    each index's update count equals the key's, and the updates are elementwise: the same
+    numbers as one index per key."""
+    return key if offset == 0 else key + (offset << 32)
+
+
+class _Round:
+    __slots__ = ("acc", "acc_nd", "senders")
+
+    def __init__(self, acc, acc_nd):
+        self.acc = acc            # numpy view of the sum
+        self.acc_nd = acc_nd      # the NDArray behind it (update on servers), or None
+        self.senders = set()
+
+
+class _Slot:
+    """This server's slice of one key: where it is, its rounds, and its numbers (``store``)."""
+
+    __slots__ = ("key", "offset", "length", "dtype_code", "store", "applied", "rounds",
+                 "waiting", "index")
+
+    def __init__(self, key, offset, length, dtype_code, store):
+        self.key = key
+        self.index = optimizer_index(key, offset)
+        self.offset = offset
+        self.length = length
+        self.dtype_code = dtype_code
+        self.store = store              # a MemorySlice
+        self.applied = 0                # rounds completed
+        self.rounds = {}                # round -> _Round
+        self.waiting = []               # (client, header) pulls waiting for a later round
+
+
+class _Incoming:
+    """A new slice this server is assembling: the parts so far, how many remote ones to come."""
+
+    __slots__ = ("slice", "expect", "parts")
+
+    def __init__(self, slice_, expect):
+        self.slice = slice_
+        self.expect = expect
+        self.parts = []
+
+
+class _Migration:
+    """One re-plan on this server: parts sent and not yet acknowledged, slices being built."""
+
+    def __init__(self, version):
+        self.version = version
+        self.outgoing = {}        # request id -> destination server
+        self.incoming = {}        # key -> _Incoming
+        self.next_id = 0
+        self.moved = 0
+        self.done = False
+
+
+def _counts(opt):
+    """The optimizer's update counts, the dict its updates will use.  MXNet keeps one dict per
+    device (``_all_index_update_counts``) and the Updater switches ``_index_update_count`` to
+    device 0's on every call; an optimizer that was unpickled with a replaced
+    ``_index_update_count`` (e.g. from a states file) would lose its counts at the first
+    update, so make that dict device 0's."""
+    d = opt._index_update_count
+    if opt._all_index_update_counts.get(0) is not d:
+        opt._all_index_update_counts[0] = d
+    return d
+
+
+def _join_state(parts):
+    """The inverse of ``ndview.cut_state`` over consecutive parts."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join_state([p[i] for p in parts]) for i in range(len(first)))
+    return np.concatenate(parts) if len(parts) > 1 else first
+
+
+def _to_numpy(state):
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return type(state)(_to_numpy(s) for s in state)
+    return state.asnumpy()
+
+
+def _to_nd(state):
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return type(state)(_to_nd(s) for s in state)
+    return mx.nd.array(state, dtype=state.dtype)
+
+
+class ServerState:
+    """Everything server ``rank`` knows; ``on_request``, ``on_scheduler`` and
+    ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
+
+    def __init__(self, rank, num_workers, sync):
+        self.rank = rank
+        self.num_workers = num_workers
+        self.sync = sync
+        self.slots = {}            # (key, offset) -> _Slot
+        self.updater = None
+        self.optimizer = None
+        self._aliased = set()      # optimizer indices of further slices, given their key's
+        self.plan_version = 0
+        self.migration = None      # the re-plan this server is moving state for
+        self.early_parts = []      # parts of a plan whose PLAN message has not arrived yet
+        self._out = []             # what the message being handled causes
+
+    def _flush(self):
+        out, self._out = self._out, []
+        return out
+
+    # -- the three entry points --------------------------------------------------------------
+    def on_request(self, client, h, payload):
+        """A request from a worker (or a MIGRATE from a peer server) on connection ``client``.
+        A refused request gets an ERROR reply naming the key and the cause; nothing a request
+        does can stop the server."""
+        handler = self._HANDLERS.get(h.type)
+        try:
+            if handler is None:
+                raise RequestError("server cannot handle %s" % MsgType(h.type).name)
+            handler(self, client, h, payload)
+        except (RequestError, wire.WireError) as e:
+            self._error(client, h, str(e))
+        except Exception as e:   # a bug or an optimizer failure: report it, keep serving
+            log.exception("server %d: request %r failed", self.rank, h)
+            self._error(client, h, "server %d failed on %s: %s: %s"
+                        % (self.rank, MsgType(h.type).name, type(e).__name__, e))
+        return self._flush()
+
+    def on_scheduler(self, h, payload):
+        """A PLAN from the scheduler (its other messages are the link's business)."""
+        if h.type != MsgType.PLAN:
+            raise ValueError("server state handles PLAN from the scheduler, not %s"
+                             % MsgType(h.type).name)
+        body = json.loads(_bytes(payload))
+        try:
+            self._on_plan(body)
+        except Exception as e:
+            self._plan_failed(body.get("version"), e)
+        return self._flush()
+
+    def on_peer_reply(self, server_rank, h):
+        """Server ``server_rank``'s answer to a part this server sent it."""
+        try:
+            self._on_migrate_reply(h)
+        except Exception as e:
+            self._plan_failed(h.plan_version, e)
+        return self._flush()
+
+    # -- replies -----------------------------------------------------------------------------
+    def _reply(self, client, header, type_, payload=None, **fields):
+        self._out.append(Out(Out.CLIENT, client, header.reply(type_, **fields), payload))
+
+    def _error(self, client, header, message):
+        log.warning("server %d: refusing %r: %s", self.rank, header, message)
+        self._reply(client, header, MsgType.ERROR, message.encode(), dtype=wire.NO_DTYPE,
+                    length=0)
+
+    def _send_value(self, client, header, slot):
+        self._reply(client, header, MsgType.DATA, slot.store.snapshot, dtype=slot.dtype_code,
+                    offset=slot.offset, length=slot.length)
+
+    def _to_scheduler(self, body):
+        self._out.append(Out(Out.SCHEDULER, None, wire.Header(MsgType.PLAN, sender=self.rank),
+                             json.dumps(body).encode()))
+
+    # -- data plane --------------------------------------------------------------------------
+    def _slot_for(self, h):
+        slot = self.slots.get((h.key, h.offset))
+        if slot is None:
+            if not any(k == h.key for k, _ in self.slots):
+                raise RequestError("key %d is not initialised on server %d: call init (or "
+                                   "broadcast) on the key before push/pull" % (h.key, self.rank))
+            held = sorted((x.offset, x.offset + x.length) for (k, _), x in self.slots.items()
+                          if k == h.key)
+            raise RequestError("key %d: request for elements [%d, %d) but server %d holds %s: "
+                               "workers disagree on the placement plan or on the key's size"
+                               % (h.key, h.offset, h.offset + h.length, self.rank,
+                                  ", ".join("[%d, %d)" % x for x in held)))
+        if h.plan_version != self.plan_version:
+            raise RequestError("key %d: request of plan version %d, but server %d is at plan "
+                               "%d" % (h.key, h.plan_version, self.rank, self.plan_version))
+        if slot.offset != h.offset or slot.length != h.length:
+            raise RequestError("key %d: request for elements [%d, %d) but server %d holds "
+                               "[%d, %d): workers disagree on the placement plan or on the "
+                               "key's size" % (h.key, h.offset, h.offset + h.length, self.rank,
+                                               slot.offset, slot.offset + slot.length))
+        return slot
+
+    def _on_init(self, client, h, payload):
+        arr = wire.payload_array(h, payload)
+        slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype,
+                                                     MemorySlice(arr.copy()))
+        if self.updater is not None and slot.index != slot.key:
+            self._alias(slot, count=True)     # states loaded before the keys were initialised
+        self._reply(client, h, MsgType.ACK, length=0)
+
+    def _on_push(self, client, h, payload):
+        slot = self._slot_for(h)
+        if h.dtype != slot.dtype_code:
+            raise RequestError("key %d: pushed dtype %s differs from the initialised dtype %s"
+                               % (h.key, wire.dtype_of(h.dtype), wire.dtype_of(slot.dtype_code)))
+        grad = wire.payload_array(h, payload)
+        if not self.sync:
+            if self.updater is None:
+                raise RequestError("key %d: dist_async needs the optimizer on the servers "
+                                   "(update_on_kvstore=True / set_optimizer)" % h.key)
+            rnd = self._new_round(slot, grad)
+            copy_into(rnd.acc, grad)
+            self._apply(slot, rnd)
+            slot.applied += 1
+        else:
+            self._account(slot, h, grad)
+        if h.type == MsgType.PUSH:
+            self._reply(client, h, MsgType.ACK, length=0)
+        else:
+            self._on_pull(client, h)
+        self._answer_waiting(slot)
+
+    def _account(self, slot, h, grad):
+        """Add a sync push to its round's sum; complete every round that has all pushes."""
+        if h.iteration <= slot.applied:
+            raise RequestError("key %d: worker %d pushed round %d, but round %d is already "
+                               "complete" % (h.key, h.sender, h.iteration, slot.applied))
+        rnd = slot.rounds.get(h.iteration)
+        if rnd is None:
+            rnd = slot.rounds[h.iteration] = self._new_round(slot, grad)
+            copy_into(rnd.acc, grad)
+        elif h.sender in rnd.senders:
+            raise RequestError("key %d: worker %d pushed round %d twice"
+                               % (h.key, h.sender, h.iteration))
+        else:
+            add_into(rnd.acc, grad, h.dtype)
+        rnd.senders.add(h.sender)
+        while True:          # in order: an early round waits for the ones before it
+            nxt = slot.rounds.get(slot.applied + 1)
+            if nxt is None or len(nxt.senders) < self.num_workers:
+                break
+            del slot.rounds[slot.applied + 1]
+            self._apply(slot, nxt)
+            slot.applied += 1
+
+    def _new_round(self, slot, grad):
+        return _Round(*slot.store.accumulator(grad, self.updater is not None))
+
+    def _apply(self, slot, rnd):
+        store = slot.store
+        if self.updater is None:
+            store.serve_sum(rnd.acc)          # stored = merged (update on workers)
+            return
+        acc_nd = rnd.acc_nd
+        if acc_nd is None:                   # the round began before set_optimizer
+            acc_nd = mx.nd.array(rnd.acc, dtype=rnd.acc.dtype)
+        if slot.index != slot.key and slot.index not in self._aliased:
+            self._alias(slot)
+        self.updater(slot.index, acc_nd, store.weight_nd)
+        store.weight_nd.wait_to_read()       # the update (which read acc_nd) is done
+        if rnd.acc_nd is not None:
+            store.recycle(rnd.acc, rnd.acc_nd)
+        # Sync mode replies straight from the stored weights, without a copy: round r+1 can
+        # only complete once every worker pushed r+1, and a worker pushes r+1 of a key only
+        # after its pull of round r was answered, so no reply of round r is still being sent
+        # when the weights change.  Async mode applies pushes any time: replies get a copy.
+        store.serve_weights(copy=not self.sync)
+
+    def _on_pull(self, client, h):
+        slot = self._slot_for(h)
+        if not self.sync or h.iteration <= slot.applied:
+            self._send_value(client, h, slot)
+        else:
+            slot.waiting.append((client, h))
+
+    def _answer_waiting(self, slot):
+        if not slot.waiting:
+            return
+        still = []
+        for client, h in slot.waiting:
+            if h.iteration <= slot.applied:
+                self._send_value(client, h, slot)
+            else:
+                still.append((client, h))
+        slot.waiting = still
+
+    # -- optimizer ---------------------------------------------------------------------------
+    def _on_set_optimizer(self, client, h, payload):
+        optimizer = pickle.loads(_bytes(payload))   # as MXNet's own server does (trusted peers)
+        self.optimizer = optimizer
+        self.updater = mx.optimizer.get_updater(optimizer)
+        _counts(optimizer)
+        self._aliased = set()
+        self._reply(client, h, MsgType.ACK, length=0)
+
+    def _on_get_states(self, client, h, payload):
+        if self.updater is None:
+            raise RequestError("no optimizer on server %d: optimizer states live on the "
+                               "servers only with update_on_kvstore=True" % self.rank)
+        counts = _counts(self.updater.optimizer)
+        states = [(k, x.offset, x.length, _to_numpy(self.updater.states[x.index]))
+                  for (k, _), x in self.slots.items() if x.index in self.updater.states]
+        body = pickle.dumps({"states": states, "optimizer": self.updater.optimizer,
+                             "counts": {k: counts[x.index] for (k, _), x in self.slots.items()
+                                        if x.index in counts}})
+        self._reply(client, h, MsgType.DATA, body, dtype=wire.NO_DTYPE, length=0)
+
+    def _on_set_states(self, client, h, payload):
+        if self.updater is None:
+            raise RequestError("no optimizer on server %d to load states into" % self.rank)
+        blob = pickle.loads(_bytes(payload))
+        for (k, offset), state in blob["states"].items():
+            i = optimizer_index(k, offset)
+            self.updater.states[i] = _to_nd(state)
+            self.updater.states_synced[i] = False
+        self.updater.optimizer = blob["optimizer"]
+        self.optimizer = blob["optimizer"]
+        _counts(self.optimizer)
+        self._aliased = set()
+        for slot in self.slots.values():
+            if slot.index != slot.key:
+                self._alias(slot, count=True)
+        self._reply(client, h, MsgType.ACK, length=0)
+
+    def _alias(self, slot, count=False):
+        """Give a further slice's optimizer index its key's multipliers and name (and with
+        ``count``, its update count: for states loaded from a file, which counts by key)."""
+        opt = self.updater.optimizer
+        k, i = slot.key, slot.index
+        for table in (opt.lr_mult, opt.wd_mult, opt.idx2name):
+            if k in table:
+                table[i] = table[k]
+        counts = _counts(opt)
+        if count and k in counts:
+            counts[i] = counts[k]
+        self._aliased.add(i)
+
+    def _on_probe(self, client, h, payload):
+        # echo the bytes back: the worker times both directions of its link to this server
+        self._reply(client, h, MsgType.DATA, payload, dtype=wire.NO_DTYPE, length=0)
+
+    # -- live re-planning: moving slices between servers (docs/REPLAN.md) ---------------------
+    def _on_plan(self, body):
+        """The scheduler's new plan.  Every worker has stopped with nothing in flight, so every
+        round is complete: send each new owner its part of this server's old slices (value,
+        optimizer state, update count), keep the part that stays, and build each new slice once
+        all of its parts are here; then tell the scheduler."""
+        version = body["version"]
+        old, new = plan.table_from_json(body["old"]), plan.table_from_json(body["new"])
+        mig = self.migration = _Migration(version)
+        self.plan_version = version
+        parts = []                         # (destination server, part)
+        for key, slices in new.items():
+            before = tuple(old.get(key) or ())
+            if before == slices:
+                continue
+            empty = sum(x.length for x in slices) == 0
+            for o in before:
+                if o.server != self.rank:
+                    continue
+                slot = self.slots.get((key, o.offset))
+                if slot is None or slot.length != o.length:
+                    raise RequestError("plan %d: server %d does not hold key %d as %s"
+                                       % (version, self.rank, key, o))
+                if slot.rounds or slot.waiting:
+                    raise RequestError(
+                        "plan %d: key %d has rounds %s partly pushed on server %d; workers "
+                        "push keys unequally" % (version, key, sorted(slot.rounds), self.rank))
+                for x in slices:
+                    lo, hi = max(x.offset, o.offset), min(x.stop, o.stop)
+                    if hi > lo or empty:
+                        parts.append((x.server, self._cut(slot, lo, hi, x.offset)))
+                self._drop(slot)
+            for n in slices:
+                if n.server == self.rank:
+                    expect = sum(1 for x in before if x.server != self.rank and
+                                 (min(x.stop, n.stop) > max(x.offset, n.offset) or empty))
+                    mig.incoming[(key, n.offset)] = _Incoming(n, expect)
+        for dest, part in parts:           # what stays here first, then what arrived early
+            if dest == self.rank:
+                self._add_part(mig, part, remote=False)
+        for target in [t for t, inc in mig.incoming.items() if inc.expect == 0]:
+            self._install(mig, target)
+        early, self.early_parts = self.early_parts, []
+        for v, part in early:
+            if v == version:
+                self._add_part(mig, part, remote=True)
+        for dest, part in parts:
+            if dest != self.rank:
+                self._send_part(mig, dest, part)
+        self._maybe_done(mig)
+
+    def _cut(self, slot, lo, hi, target):
+        """The elements [lo, hi) of ``slot`` (key coordinates) as a migration part of the new
+        slice starting at ``target``."""
+        a, b = lo - slot.offset, hi - slot.offset
+        part = {"key": slot.key, "target": target, "offset": lo, "length": hi - lo,
+                "dtype": slot.dtype_code, "value": slot.store.cut(a, b),
+                "applied": slot.applied}
+        if self.updater is not None:
+            if slot.index in self.updater.states:
+                part["state"] = cut_state(self.updater.states[slot.index], a, b)
+            count = _counts(self.updater.optimizer).get(slot.index)
+            if count is not None:
+                part["count"] = count
+        return part
+
+    def _drop(self, slot):
+        self.slots.pop((slot.key, slot.offset), None)
+        if self.updater is not None:
+            self.updater.states.pop(slot.index, None)
+            self.updater.states_synced.pop(slot.index, None)
+            _counts(self.updater.optimizer).pop(slot.index, None)
+
+    def _send_part(self, mig, dest, part):
+        mig.next_id += 1
+        mig.outgoing[mig.next_id] = dest
+        mig.moved += part["value"].nbytes
+        h = wire.Header(MsgType.MIGRATE, key=part["key"], sender=self.rank,
+                        plan_version=mig.version, offset=part["offset"],
+                        length=part["length"], request_id=mig.next_id)
+        self._out.append(Out(Out.PEER, dest, h, pickle.dumps(part, protocol=5)))
+
+    def _on_migrate(self, client, h, payload):
+        part = pickle.loads(_bytes(payload))
+        mig = self.migration
+        if mig is not None and mig.version == h.plan_version:
+            self._reply(client, h, MsgType.ACK, length=0)
+            try:
+                self._add_part(mig, part, remote=True)
+                self._maybe_done(mig)
+            except Exception as e:
+                self._plan_failed(mig.version, e)
+        elif h.plan_version > self.plan_version:
+            self.early_parts.append((h.plan_version, part))   # its PLAN is on the way
+            self._reply(client, h, MsgType.ACK, length=0)
+        else:
+            raise RequestError("a part of key %d for plan %d, but server %d is at plan %d"
+                               % (h.key, h.plan_version, self.rank, self.plan_version))
+
+    def _add_part(self, mig, part, remote):
+        """Keep a part of a new slice; with the last remote part in, build the slice."""
+        target = (part["key"], part["target"])
+        inc = mig.incoming.get(target)
+        if inc is None:
+            raise RequestError("plan %d: server %d got a part of key %d for a slice at %d it "
+                               "does not hold" % (mig.version, self.rank, *target))
+        inc.parts.append(part)
+        if remote:
+            inc.expect -= 1
+            if inc.expect == 0:
+                self._install(mig, target)
+
+    def _install(self, mig, target):
+        """Build this server's new slice ``target`` (key, offset) from its parts."""
+        inc = mig.incoming.pop(target)
+        key = target[0]
+        want, parts = inc.slice, inc.parts
+        parts.sort(key=lambda p: p["offset"])
+        pos = want.offset
+        for p in parts:
+            if p["offset"] != pos:
+                raise RequestError("plan %d: parts of key %d leave a gap at element %d"
+                                   % (mig.version, key, pos))
+            pos += p["length"]
+        if pos != want.stop:
+            raise RequestError("plan %d: parts of key %d end at %d, the slice at %d"
+                               % (mig.version, key, pos, want.stop))
+        applied = {p["applied"] for p in parts}
+        if len(applied) != 1:
+            raise RequestError("plan %d: parts of key %d come from different rounds %s"
+                               % (mig.version, key, sorted(applied)))
+        value = np.concatenate([p["value"] for p in parts]) if len(parts) > 1 \
+            else parts[0]["value"]
+        slot = _Slot(key, want.offset, want.length, parts[0]["dtype"], MemorySlice(value))
+        slot.applied = applied.pop()
+        if self.updater is not None:
+            slot.store.serve_weights(copy=not self.sync)
+            states = [p.get("state") for p in parts]
+            if any(x is not None for x in states):
+                if any(x is None for x in states):
+                    raise RequestError("plan %d: some parts of key %d lack optimizer state"
+                                       % (mig.version, key))
+                self.updater.states[slot.index] = _to_nd(_join_state(states))
+                self.updater.states_synced[slot.index] = False
+            if slot.index != key:
+                self._alias(slot)
+            counts = {p["count"] for p in parts if "count" in p}
+            if counts:
+                opt = self.updater.optimizer
+                _counts(opt)[slot.index] = max(counts)
+                opt.num_update = max(opt.num_update, max(counts))
+        self.slots[target] = slot
+
+    def _on_migrate_reply(self, h):
+        mig = self.migration
+        if h.type == MsgType.ERROR or mig is None:
+            raise RequestError("plan %d: a moved part of key %d was refused" % (
+                h.plan_version, h.key))
+        mig.outgoing.pop(h.request_id, None)
+        self._maybe_done(mig)
+
+    def _maybe_done(self, mig):
+        if mig.done or mig.outgoing or mig.incoming:
+            return
+        mig.done = True
+        self._to_scheduler({"version": mig.version, "moved_bytes": mig.moved})
+        log.info("server %d: plan %d in place (%d bytes sent)", self.rank, mig.version,
+                 mig.moved)
+
+    def _plan_failed(self, version, error):
+        # the job cannot go on with a broken placement: the scheduler ends it with this reason
+        log.error("server %d: plan %s failed: %r", self.rank, version, error)
+        self._to_scheduler({"version": version,
+                            "error": "%s: %s" % (type(error).__name__, error)})
+
+    _HANDLERS = {
+        MsgType.MIGRATE: _on_migrate,
+        MsgType.PROBE: _on_probe,
+        MsgType.INIT: _on_init,
+        MsgType.PUSH: _on_push,
+        MsgType.PUSHPULL: _on_push,
+        MsgType.PULL: lambda self, client, h, p: self._on_pull(client, h),
+        MsgType.SET_OPTIMIZER: _on_set_optimizer,
+        MsgType.GET_STATES: _on_get_states,
+        MsgType.SET_STATES: _on_set_states,
+    }

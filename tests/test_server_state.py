@@ -1,0 +1,584 @@
+"""The server's protocol (mxps/roles/server_state.py) in one process, message by message.
+
+No sockets: each test hands ``ServerState`` one message at a time and looks at the messages it
+returns, so every rule (rounds, early pushes, waiting pulls, refusals, async, moving slices in
+a re-plan) is checked on its own, and a hypothesis state machine drives one server (and two,
+with re-plans) through any interleaving real workers can produce against a reference model.
+The multi-process tests (test_equivalence, test_replan, test_failures) check the same server
+behind its sockets.
+"""
+import itertools
+import json
+import pickle
+
+import mxnet as mx
+import numpy as np
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
+
+from mxps.placement.plan import Slice, table_to_json
+from mxps.roles.server_state import Out, ServerState, optimizer_index
+from mxps.wire.frame import NO_DTYPE, Header, MsgType, dtype_code
+
+F32 = dtype_code(np.float32)
+_ids = itertools.count(1)
+
+
+def worker(w):
+    return b"w%d" % w
+
+
+def request(type_, key, w=0, it=0, offset=0, length=None, value=None, version=0):
+    """A worker's request header and payload (a float32 array or None)."""
+    if value is not None:
+        value = np.asarray(value, dtype=np.float32)
+        length = value.size if length is None else length
+    h = Header(type_, key=key, sender=w, iteration=it, plan_version=version, offset=offset,
+               length=length or 0, request_id=next(_ids),
+               dtype=F32 if value is not None else NO_DTYPE)
+    return h, value
+
+
+def send(state, type_, key, w=0, **kw):
+    """Hand ``state`` one request from worker ``w``; the Outs it returns."""
+    h, payload = request(type_, key, w=w, **kw)
+    return state.on_request(worker(w), h, payload)
+
+
+def only(outs, type_=None):
+    """The one Out of ``outs`` (of ``type_``, when given)."""
+    if type_ is not None:
+        outs = [o for o in outs if o.header.type == type_]
+    assert len(outs) == 1, outs
+    return outs[0]
+
+
+def error_text(outs):
+    out = only(outs, MsgType.ERROR)
+    assert out.to == Out.CLIENT
+    return out.payload.decode()
+
+
+def value_of(out):
+    assert out.to == Out.CLIENT and out.header.type == MsgType.DATA, out
+    return np.array(out.payload, dtype=np.float32)
+
+
+def sgd(momentum=0.0):
+    return pickle.dumps(mx.optimizer.SGD(learning_rate=1.0, momentum=momentum))
+
+
+def new_server(workers=2, rank=0, sync=True, optimizer=None, keys=None):
+    """A server with ``keys`` ({key: initial value}, whole keys) and an optimizer, if any."""
+    s = ServerState(rank, workers, sync)
+    if optimizer is not None:
+        only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER), optimizer), MsgType.ACK)
+    for key, value in (keys or {}).items():
+        only(send(s, MsgType.INIT, key, value=value), MsgType.ACK)
+    return s
+
+
+def counts(state):
+    return state.updater.optimizer._index_update_count
+
+
+# --- rounds ----------------------------------------------------------------------------------
+
+def test_a_round_is_the_sum_of_all_workers_pushes_then_one_optimizer_update():
+    s = new_server(workers=3, optimizer=sgd(), keys={4: [10, 20, 30]})
+    grads = [[1, 2, 3], [4, 5, 6], [-1, 0, 2]]
+    for w, g in enumerate(grads):
+        only(send(s, MsgType.PUSH, 4, w=w, it=1, value=g), MsgType.ACK)
+        assert counts(s).get(4, 0) == (1 if w == 2 else 0)      # no update before the last
+    got = value_of(only(send(s, MsgType.PULL, 4, w=0, it=1, length=3)))
+    np.testing.assert_array_equal(got, [10 - 4, 20 - 7, 30 - 11])
+    assert counts(s)[4] == 1
+
+
+def test_a_pull_of_an_incomplete_round_waits_and_is_answered_when_it_completes():
+    s = new_server(workers=2, keys={4: [0, 0]})
+    only(send(s, MsgType.PUSH, 4, w=0, it=1, value=[1, 2]), MsgType.ACK)
+    assert send(s, MsgType.PULL, 4, w=0, it=1, length=2) == []           # waits
+    outs = send(s, MsgType.PUSH, 4, w=1, it=1, value=[3, 4])
+    assert only(outs, MsgType.ACK).dest == worker(1)
+    data = only(outs, MsgType.DATA)
+    assert data.dest == worker(0) and data.header.iteration == 1
+    np.testing.assert_array_equal(value_of(data), [4, 6])
+
+
+def test_a_pushpull_is_answered_with_its_own_round_once_complete():
+    s = new_server(workers=2, keys={4: [0, 0]})
+    assert send(s, MsgType.PUSHPULL, 4, w=0, it=1, value=[1, 1]) == []
+    outs = send(s, MsgType.PUSHPULL, 4, w=1, it=1, value=[2, 5])
+    assert sorted(o.dest for o in outs) == [worker(0), worker(1)]
+    for o in outs:
+        np.testing.assert_array_equal(value_of(o), [3, 6])
+
+
+def test_an_early_push_of_the_next_round_is_kept_apart_from_the_current_one():
+    s = new_server(workers=2, keys={4: [0, 0]})
+    send(s, MsgType.PUSH, 4, w=0, it=1, value=[1, 1])
+    send(s, MsgType.PUSH, 4, w=0, it=2, value=[100, 100])                # worker 0 runs ahead
+    send(s, MsgType.PUSH, 4, w=1, it=1, value=[2, 3])
+    np.testing.assert_array_equal(value_of(only(send(s, MsgType.PULL, 4, w=1, it=1, length=2))),
+                                  [3, 4])
+    assert send(s, MsgType.PULL, 4, w=0, it=2, length=2) == []           # round 2 is not done
+    outs = send(s, MsgType.PUSH, 4, w=1, it=2, value=[5, 7])
+    np.testing.assert_array_equal(value_of(only(outs, MsgType.DATA)), [105, 107])
+
+
+def test_update_on_workers_stores_each_rounds_sum_not_a_running_total():
+    s = new_server(workers=2, keys={4: [9, 9]})
+    for it, (a, b) in enumerate([([1, 2], [3, 4]), ([0, 1], [1, 0])], start=1):
+        send(s, MsgType.PUSH, 4, w=0, it=it, value=a)
+        send(s, MsgType.PUSH, 4, w=1, it=it, value=b)
+        got = value_of(only(send(s, MsgType.PULL, 4, w=0, it=it, length=2)))
+        np.testing.assert_array_equal(got, np.add(a, b))
+    assert s.updater is None
+
+
+def test_a_second_push_of_the_same_round_is_refused_naming_key_worker_and_round():
+    s = new_server(workers=2, keys={4: [0, 0]})
+    send(s, MsgType.PUSH, 4, w=0, it=1, value=[1, 1])
+    msg = error_text(send(s, MsgType.PUSH, 4, w=0, it=1, value=[50, 50]))
+    assert msg == "key 4: worker 0 pushed round 1 twice"
+    send(s, MsgType.PUSH, 4, w=1, it=1, value=[2, 2])
+    np.testing.assert_array_equal(value_of(only(send(s, MsgType.PULL, 4, it=1, length=2))),
+                                  [3, 3])                 # the refused push was not added
+
+
+def test_a_push_to_a_completed_round_is_refused_and_changes_nothing():
+    s = new_server(workers=2, keys={4: [0, 0]})
+    send(s, MsgType.PUSH, 4, w=0, it=1, value=[1, 1])
+    send(s, MsgType.PUSH, 4, w=1, it=1, value=[2, 2])
+    msg = error_text(send(s, MsgType.PUSH, 4, w=1, it=1, value=[7, 7]))
+    assert msg == "key 4: worker 1 pushed round 1, but round 1 is already complete"
+    np.testing.assert_array_equal(value_of(only(send(s, MsgType.PULL, 4, it=1, length=2))),
+                                  [3, 3])
+
+
+def test_async_applies_every_push_on_arrival_and_pulls_see_it_at_once():
+    s = new_server(workers=2, sync=False, optimizer=sgd(), keys={4: [10, 10]})
+    only(send(s, MsgType.PUSH, 4, w=0, it=1, value=[1, 2]), MsgType.ACK)
+    np.testing.assert_array_equal(value_of(only(send(s, MsgType.PULL, 4, w=1, length=2))),
+                                  [9, 8])
+    only(send(s, MsgType.PUSH, 4, w=0, it=2, value=[1, 1]), MsgType.ACK)  # no waiting for w1
+    only(send(s, MsgType.PUSH, 4, w=1, it=1, value=[3, 0]), MsgType.ACK)
+    np.testing.assert_array_equal(value_of(only(send(s, MsgType.PULL, 4, w=1, length=2))),
+                                  [5, 7])
+    assert counts(s)[4] == 3
+
+
+def test_async_without_an_optimizer_on_the_servers_is_refused_naming_the_key():
+    s = new_server(workers=2, sync=False, keys={4: [0]})
+    msg = error_text(send(s, MsgType.PUSH, 4, value=[1], it=1))
+    assert msg.startswith("key 4: dist_async needs the optimizer on the servers")
+
+
+def test_a_request_of_another_plan_version_is_refused_naming_both_versions():
+    s = new_server(keys={4: [0, 0]})
+    msg = error_text(send(s, MsgType.PULL, 4, length=2, version=3))
+    assert msg == "key 4: request of plan version 3, but server 0 is at plan 0"
+
+
+def test_an_unknown_key_is_refused_and_the_server_keeps_serving():
+    s = new_server(workers=1, keys={4: [5, 6]})
+    msg = error_text(send(s, MsgType.PUSH, 99, it=1, value=[1]))
+    assert msg.startswith("key 99 is not initialised on server 0")
+    np.testing.assert_array_equal(value_of(only(send(s, MsgType.PULL, 4, length=2))), [5, 6])
+
+
+def test_a_slice_the_server_does_not_hold_is_refused_naming_the_key_and_both_ranges():
+    s = new_server(keys={7: [0, 0, 0, 0]})
+    msg = error_text(send(s, MsgType.PUSH, 7, it=1, value=[1] * 6))
+    assert msg.startswith("key 7: request for elements [0, 6) but server 0 holds [0, 4)")
+    msg = error_text(send(s, MsgType.PULL, 7, offset=2, length=2))
+    assert msg.startswith("key 7: request for elements [2, 4) but server 0 holds [0, 4)")
+
+
+def test_a_push_of_another_dtype_is_refused_naming_both_dtypes():
+    s = new_server(keys={4: [0, 0]})
+    h, _ = request(MsgType.PUSH, 4, it=1, length=2)
+    h.dtype = dtype_code(np.float64)
+    msg = error_text(s.on_request(worker(0), h, np.zeros(2)))
+    assert msg == "key 4: pushed dtype float64 differs from the initialised dtype float32"
+
+
+def test_a_failing_optimizer_is_reported_to_the_worker_and_the_server_keeps_serving():
+    s = new_server(workers=1, optimizer=sgd(), keys={4: [1, 1]})
+    s.updater = lambda index, grad, weight: 1 / 0
+    msg = error_text(send(s, MsgType.PUSH, 4, it=1, value=[1, 1]))
+    assert msg == "server 0 failed on PUSH: ZeroDivisionError: division by zero"
+    only(send(s, MsgType.PROBE, 0), MsgType.DATA)
+
+
+# --- moving slices between servers (a re-plan) ------------------------------------------------
+
+class Pair:
+    """Two servers and the network between them: ``route`` delivers what they send each other
+    (MIGRATE requests, their ACK/ERROR replies) and keeps what goes to the scheduler."""
+
+    def __init__(self, servers):
+        self.servers = servers
+        self.queue = []                      # ("request", to, from, header, payload) or
+        self.reports = {s.rank: [] for s in servers}   # ("reply", to, from, header)
+        self.early = 0                       # PLANs that found parts waiting for them
+
+    def take(self, rank, outs):
+        for o in outs:
+            if o.to == Out.PEER:
+                self.queue.append(("request", o.dest, rank, o.header, o.payload))
+            elif o.to == Out.SCHEDULER:
+                assert o.header.type == MsgType.PLAN
+                self.reports[rank].append(json.loads(o.payload))
+            else:
+                assert o.dest.startswith(b"peer"), "a worker got %r during a re-plan" % o
+                self.queue.append(("reply", int(o.dest[4:]), rank, o.header))
+
+    def plan(self, rank, version, old, new):
+        body = json.dumps({"version": version, "old": table_to_json(old),
+                           "new": table_to_json(new)}).encode()
+        self.early += bool(self.servers[rank].early_parts)
+        self.take(rank, self.servers[rank].on_scheduler(Header(MsgType.PLAN), body))
+
+    def deliver(self, i=0):
+        item = self.queue.pop(i)
+        if item[0] == "request":
+            _, to, frm, h, payload = item
+            self.take(to, self.servers[to].on_request(b"peer%d" % frm, h, payload))
+        else:
+            _, to, frm, h = item
+            self.take(to, self.servers[to].on_peer_reply(frm, h))
+
+    def route(self):
+        while self.queue:
+            self.deliver()
+
+
+def adam_pair(value):
+    opt = pickle.dumps(mx.optimizer.Adam(learning_rate=0.1))
+    return [new_server(rank=0, optimizer=opt, keys={5: value}), new_server(rank=1, optimizer=opt)]
+
+
+def push_rounds(servers_and_slices, grads):
+    """Push ``grads`` (round -> per worker) of key 5 to the slices given as (server, Slice)."""
+    for it, per_worker in enumerate(grads, start=1):
+        for w, g in enumerate(per_worker):
+            for s, x in servers_and_slices:
+                only(send(s, MsgType.PUSH, 5, w=w, it=it, offset=x.offset,
+                          value=np.asarray(g, np.float32)[x.offset:x.stop],
+                          version=s.plan_version), MsgType.ACK)
+
+
+VALUE = np.arange(8, dtype=np.float32)
+GRADS = [[np.full(8, 0.5), np.arange(8) * 0.25], [np.ones(8), -np.arange(8) * 0.5],
+         [np.arange(8) * 0.1, np.full(8, -1.0)]]
+OLD = {5: (Slice(0, 0, 8),)}
+NEW = {5: (Slice(0, 0, 3), Slice(1, 3, 5))}
+
+
+def test_migration_moves_value_optimizer_state_and_update_count_to_the_new_owner():
+    s0, s1 = adam_pair(VALUE)
+    push_rounds([(s0, OLD[5][0])], GRADS[:2])
+    before_value = s0.slots[(5, 0)].store.snapshot.copy()
+    before_state = [x.asnumpy() for x in s0.updater.states[5]]
+    net = Pair([s0, s1])
+    net.plan(1, 1, OLD, NEW)          # server 1 expects one part from server 0
+    net.plan(0, 1, OLD, NEW)
+    net.route()
+    assert net.reports == {0: [{"version": 1, "moved_bytes": 5 * 4}],
+                           1: [{"version": 1, "moved_bytes": 0}]}
+    kept, moved = s0.slots[(5, 0)], s1.slots[(5, 3)]
+    np.testing.assert_array_equal(kept.store.snapshot, before_value[:3])
+    np.testing.assert_array_equal(moved.store.snapshot, before_value[3:])
+    assert (kept.applied, moved.applied) == (2, 2)
+    far = optimizer_index(5, 3)
+    for i, m in enumerate(before_state):     # Adam's mean and variance, cut by element
+        np.testing.assert_array_equal(s0.updater.states[5][i].asnumpy(), m[:3])
+        np.testing.assert_array_equal(s1.updater.states[far][i].asnumpy(), m[3:])
+    assert counts(s0) == {5: 2} and counts(s1) == {far: 2}
+    assert s1.updater.optimizer.num_update == 2
+
+    # round 3 on the two new slices gives what one server that kept everything gives
+    alone = adam_pair(VALUE)[0]
+    push_rounds([(alone, OLD[5][0])], GRADS)
+    for w, g in enumerate(GRADS[2]):
+        for s, x in ((s0, NEW[5][0]), (s1, NEW[5][1])):
+            send(s, MsgType.PUSH, 5, w=w, it=3, offset=x.offset, value=g[x.offset:x.stop],
+                 version=1)
+    got = np.concatenate([value_of(only(send(s, MsgType.PULL, 5, it=3, offset=x.offset,
+                                             length=x.length, version=1)))
+                          for s, x in ((s0, NEW[5][0]), (s1, NEW[5][1]))])
+    np.testing.assert_allclose(got, alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
+
+
+def test_a_part_that_arrives_before_its_plan_is_used_when_the_plan_comes():
+    s0, s1 = adam_pair(VALUE)
+    push_rounds([(s0, OLD[5][0])], GRADS[:1])
+    before = s0.slots[(5, 0)].store.snapshot.copy()
+    net = Pair([s0, s1])
+    net.plan(0, 1, OLD, NEW)
+    assert [q[:3] for q in net.queue] == [("request", 1, 0)]
+    net.deliver()                                     # the part, before server 1's PLAN
+    assert s1.early_parts and (5, 3) not in s1.slots and net.reports[1] == []
+    assert net.queue[0][0] == "reply" and net.queue[0][3].type == MsgType.ACK
+    net.route()                                       # server 0 gets its ACK: done
+    assert net.reports[0] == [{"version": 1, "moved_bytes": 20}]
+    net.plan(1, 1, OLD, NEW)
+    assert net.reports[1] == [{"version": 1, "moved_bytes": 0}] and not s1.early_parts
+    np.testing.assert_array_equal(s1.slots[(5, 3)].store.snapshot, before[3:])
+    assert s1.slots[(5, 3)].applied == 1 and counts(s1) == {optimizer_index(5, 3): 1}
+
+
+def test_a_plan_over_a_partly_pushed_round_fails_naming_the_key_and_the_round():
+    s0, s1 = adam_pair(VALUE)
+    send(s0, MsgType.PUSH, 5, w=0, it=1, value=GRADS[0][0])          # worker 1 never pushes
+    net = Pair([s0, s1])
+    net.plan(0, 1, OLD, NEW)
+    (report,) = net.reports[0]
+    assert report["version"] == 1
+    assert report["error"] == ("RequestError: plan 1: key 5 has rounds [1] partly pushed on "
+                               "server 0; workers push keys unequally")
+
+
+def test_a_part_for_a_superseded_plan_is_refused_and_fails_the_plan_at_its_sender():
+    s0, s1 = adam_pair(VALUE)
+    net = Pair([s0, s1])
+    net.plan(1, 2, {}, {})                 # server 1 is at plan 2 already
+    net.reports[1].clear()
+    net.plan(0, 1, OLD, NEW)
+    net.deliver()
+    assert net.queue[0][3].type == MsgType.ERROR
+    net.route()
+    (report,) = net.reports[0]
+    assert report["error"] == "RequestError: plan 1: a moved part of key 5 was refused"
+
+
+# --- any interleaving against a reference model ------------------------------------------------
+
+GRAD = st.lists(st.integers(-3, 3), min_size=6, max_size=6)
+
+
+class Cluster(RuleBasedStateMachine):
+    """W workers issuing what real workers may issue to the servers holding two keys: a worker
+    pushes round r of a key once, pulls a round it has pushed (the pull may reach the server
+    before the push, as a split PUSHPULL does), and may push round r+1 before the others
+    finished round r, but not while a pull of its own on that key is unanswered (MXNet's
+    engine runs a key's operations in order).  The reference: with the update on the workers
+    the value after round r is the sum of the round's W pushes; with SGD (lr 1, momentum 1/2)
+    the momentum rule on that sum.  Small integers: every sum is exact in float32."""
+
+    WORKERS = 2
+    SERVERS = 1
+    MOMENTUM = None            # None: update on the workers; else SGD with this momentum
+    SIZES = {1: 3, 2: 6}
+
+    def __init__(self):
+        super().__init__()
+        W, S = self.WORKERS, self.SERVERS
+        self.servers = [ServerState(s, W, sync=True) for s in range(S)]
+        self.table = {1: (Slice(0, 0, 3),),
+                      2: (Slice(0, 0, 6),) if S == 1 else (Slice(0, 0, 2), Slice(1, 2, 4))}
+        self.version = 0
+        self.pushed = {(w, k): 0 for w in range(W) for k in self.SIZES}
+        self.values = {k: [np.arange(n, dtype=np.float64)] for k, n in self.SIZES.items()}
+        self.mom = {k: np.zeros(n) for k, n in self.SIZES.items()}
+        self.sums = {}             # (key, round) -> [sum, workers so far]
+        self.arrived = {}          # (key, offset, round) -> workers whose push that slice has
+        self.settled = {k: 0 for k in self.SIZES}    # rounds complete at the last re-plan
+        self.pending = {}          # (worker, key) -> {request id: (round, server, offset)}
+        for s in self.servers:
+            if self.MOMENTUM is not None:
+                only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER),
+                                  sgd(self.MOMENTUM)), MsgType.ACK)
+        for k, slices in self.table.items():
+            for x in slices:
+                only(send(self.servers[x.server], MsgType.INIT, k, offset=x.offset,
+                          value=self.values[k][0][x.offset:x.stop]), MsgType.ACK)
+
+    # -- the model ---------------------------------------------------------------------------
+    def _account(self, w, k, r, grad):
+        entry = self.sums.setdefault((k, r), [np.zeros(self.SIZES[k]), set()])
+        entry[0] += grad
+        entry[1].add(w)
+        if len(entry[1]) == self.WORKERS:
+            assert len(self.values[k]) == r, "rounds complete in order"
+            total = entry[0]
+            if self.MOMENTUM is None:
+                self.values[k].append(total.copy())
+            else:
+                self.mom[k] = self.MOMENTUM * self.mom[k] - total
+                self.values[k].append(self.values[k][-1] + self.mom[k])
+
+    def _complete_on(self, k, offset, r):
+        return r <= self.settled[k] or \
+            len(self.arrived.get((k, offset, r), ())) == self.WORKERS
+
+    def _eligible(self):
+        return [(w, k) for w in range(self.WORKERS) for k in self.SIZES
+                if (w, k) not in self.pending]
+
+    def _quiet(self):
+        """A re-plan point: every worker at the same round of each key, no pull unanswered."""
+        return not self.pending and all(
+            len({self.pushed[(w, k)] for w in range(self.WORKERS)}) == 1 for k in self.SIZES)
+
+    # -- talking to the servers --------------------------------------------------------------
+    def _operation(self, w, k, types, grad=None):
+        """One worker operation on key k: ``types`` in order to every slice of the key."""
+        r = self.pushed[(w, k)] + (1 if grad is not None else 0)
+        if grad is not None:
+            self.pushed[(w, k)] = r
+            grad = np.asarray(grad[:self.SIZES[k]], dtype=np.float32)
+            self._account(w, k, r, grad)
+        for x in self.table[k]:
+            server = self.servers[x.server]
+            for type_ in types:
+                carries = type_ in (MsgType.PUSH, MsgType.PUSHPULL)
+                h, payload = request(type_, k, w=w, it=r, offset=x.offset, length=x.length,
+                                     value=grad[x.offset:x.stop] if carries else None,
+                                     version=self.version)
+                if carries:
+                    self.arrived.setdefault((k, x.offset, r), set()).add(w)
+                if type_ != MsgType.PUSH:
+                    self.pending.setdefault((w, k), {})[h.request_id] = (r, x.server,
+                                                                         x.offset)
+                self._receive(x.server, h, server.on_request(worker(w), h, payload))
+
+    def _receive(self, server, request_header, outs):
+        for o in outs:
+            h = o.header
+            assert o.to == Out.CLIENT and h.type != MsgType.ERROR, o.payload
+            w = int(o.dest[1:])
+            if h.type == MsgType.ACK:
+                assert request_header.type == MsgType.PUSH and o.dest == worker(
+                    request_header.sender) and h.request_id == request_header.request_id
+                continue
+            r, at, offset = self.pending[(w, h.key)].pop(h.request_id)
+            if not self.pending[(w, h.key)]:
+                del self.pending[(w, h.key)]
+            assert (at, h.iteration, h.offset) == (server, r, offset)
+            assert self._complete_on(h.key, offset, r), \
+                "pull of round %d of key %d answered before all pushes arrived" % (r, h.key)
+            want = self.values[h.key][r][offset:offset + h.length]
+            np.testing.assert_array_equal(value_of(o), want.astype(np.float32))
+
+    # -- what workers do ---------------------------------------------------------------------
+    @precondition(lambda self: self._eligible())
+    @rule(data=st.data(), grad=GRAD)
+    def push(self, data, grad):
+        w, k = data.draw(st.sampled_from(self._eligible()))
+        self._operation(w, k, [MsgType.PUSH], grad)
+
+    @precondition(lambda self: self._eligible())
+    @rule(data=st.data())
+    def pull(self, data):
+        w, k = data.draw(st.sampled_from(self._eligible()))
+        self._operation(w, k, [MsgType.PULL])
+
+    @precondition(lambda self: self._eligible())
+    @rule(data=st.data(), grad=GRAD)
+    def pushpull(self, data, grad):
+        w, k = data.draw(st.sampled_from(self._eligible()))
+        self._operation(w, k, [MsgType.PUSHPULL], grad)
+
+    @precondition(lambda self: self._eligible())
+    @rule(data=st.data(), grad=GRAD)
+    def pull_overtaking_its_push(self, data, grad):
+        w, k = data.draw(st.sampled_from(self._eligible()))
+        self._operation(w, k, [MsgType.PULL, MsgType.PUSH], grad)
+
+    @rule(grad=GRAD)
+    def everyone_catches_up(self, grad):
+        """Every worker pushes until all are at the furthest round (so re-plan points come)."""
+        while True:
+            behind = [(w, k) for (w, k) in self._eligible()
+                      if self.pushed[(w, k)] < max(self.pushed[(v, k)]
+                                                   for v in range(self.WORKERS))]
+            if not behind:
+                return
+            w, k = behind[0]
+            self._operation(w, k, [MsgType.PUSH], grad)
+
+    # -- invariants --------------------------------------------------------------------------
+    @invariant()
+    def a_pull_waits_only_while_its_round_is_incomplete(self):
+        for (w, k), reqs in self.pending.items():
+            for r, _, offset in reqs.values():
+                assert not self._complete_on(k, offset, r), (w, k, r, offset)
+
+    @invariant()
+    def each_slice_is_updated_once_per_completed_round(self):
+        if self.MOMENTUM is None:
+            return
+        for s in self.servers:
+            for slot in s.slots.values():
+                assert counts(s).get(slot.index, 0) == slot.applied, (s.rank, slot.key)
+
+
+class Migrating(Cluster):
+    """Two servers, and at a re-plan point (every worker at the same round of every key,
+    nothing in flight) a new table with its PLAN and the parts delivered in any order: a part
+    may reach a server before that server's PLAN."""
+
+    SERVERS = 2
+
+    @precondition(lambda self: self._quiet())
+    @rule(data=st.data())
+    def replan(self, data):
+        old, new = self.table, {}
+        for k, n in self.SIZES.items():
+            cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=3)))
+            bounds = [0] + cuts + [n]
+            new[k] = tuple(Slice(data.draw(st.integers(0, 1)), a, b - a)
+                           for a, b in zip(bounds, bounds[1:]))
+        self.version += 1
+        net = Pair(self.servers)
+        pending_plans = [0, 1]
+        while pending_plans or net.queue:
+            i = data.draw(st.integers(0, len(pending_plans) + len(net.queue) - 1))
+            if i < len(pending_plans):
+                net.plan(pending_plans.pop(i), self.version, old, new)
+            else:
+                net.deliver(i - len(pending_plans))
+        for rank, reports in net.reports.items():
+            assert len(reports) == 1 and "error" not in reports[0], (rank, reports)
+            assert reports[0]["version"] == self.version
+        for k, slices in new.items():
+            r = self.pushed[(0, k)]
+            self.settled[k] = r
+            held = {(key, off) for s in self.servers for key, off in s.slots if key == k}
+            assert held == {(k, x.offset) for x in slices}
+            for x in slices:
+                slot = self.servers[x.server].slots[(k, x.offset)]
+                assert slot.applied == r
+                np.testing.assert_array_equal(slot.store.snapshot,
+                                              self.values[k][r][x.offset:x.stop])
+        self.table = new
+        event("re-plan" + (" with a part before its PLAN" if net.early else ""))
+
+
+class WithOptimizer(Cluster):
+    MOMENTUM = 0.5
+
+
+class MigratingWithOptimizer(Migrating):
+    MOMENTUM = 0.5
+
+
+class ThreeWorkers(Cluster):
+    WORKERS = 3
+
+
+FAST = settings(max_examples=25, stateful_step_count=25, deadline=None)
+
+TestAnyInterleavingOfThreeWorkersGivesTheRoundSums = ThreeWorkers.TestCase
+TestAnyInterleavingWithTheOptimizerOnTheServerGivesTheReferenceWeights = WithOptimizer.TestCase
+TestAnyInterleavingWithReplansBetweenTwoServersGivesTheRoundSums = Migrating.TestCase
+TestAnyInterleavingWithReplansMovesOptimizerStateAndCounts = MigratingWithOptimizer.TestCase
+for _case in (TestAnyInterleavingOfThreeWorkersGivesTheRoundSums,
+              TestAnyInterleavingWithTheOptimizerOnTheServerGivesTheReferenceWeights,
+              TestAnyInterleavingWithReplansBetweenTwoServersGivesTheRoundSums,
+              TestAnyInterleavingWithReplansMovesOptimizerStateAndCounts):
+    _case.settings = FAST
