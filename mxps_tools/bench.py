@@ -22,10 +22,12 @@ Scenarios (applied as soon as the scheduler has ranked the servers, i.e. before 
   topology name such as ``s1``/``w0`` or ``rank:N`` for server rank N; rate Mbit/s, a
   ``[up, down]`` pair, or null for unshaped).
 
-Which server has which rank is read from the job, never assumed from start order: native ps-lite
-(``PS_VERBOSE=1``) logs ``assign rank=<id> to node role=server, ip=...`` on its scheduler (server
-rank = (id - 8) / 2), mxps's scheduler (``MXPS_LOG_LEVEL=INFO``) logs the servers in rank order.
-Both order servers by address; the mapping is reported per system.
+Which server has which rank is read from the job, never assumed from start order: mxps's
+scheduler writes the job's ranks as data (``MXPS_JOB_INFO``, a JSON file in the job's log dir:
+each server's rank, host, port and pid); native ps-lite's only record of its assignment is its
+scheduler's log (``PS_VERBOSE=1``: ``assign rank=<id> to node role=server, ip=...``, server rank
+= (id - 8) / 2).  Both order servers by address; the mapping and its source are reported per
+system.
 
 The bandwidth-optimal bound per step is ``compute + max(W*M / sum of server rates, M / worker
 rate)``, M the model's bytes: with full-duplex links each direction (push, pull) carries W*M over
@@ -127,22 +129,38 @@ def system_by_name(name: str) -> System:
 # --------------------------------------------------------------------------- rank discovery
 
 _NATIVE_ASSIGN = re.compile(r"assign rank=(\d+) to node role=server, ip=([0-9.]+), port=(\d+)")
-_MXPS_STARTED = re.compile(r"job started: \d+ servers \[([^\]]*)\]")
 
 
-def server_ranks_from_logs(kvstore: str, sched_log: str) -> Optional[List[str]]:
-    """Server addresses ``host:port`` in rank order, from the scheduler's log, or None."""
-    if kvstore.startswith("dist"):
-        found = {}
-        for m in _NATIVE_ASSIGN.finditer(sched_log):
-            found[(int(m.group(1)) - 8) // 2] = "%s:%s" % (m.group(2), m.group(3))
-        if not found or sorted(found) != list(range(len(found))):
-            return None
-        return [found[i] for i in range(len(found))]
-    m = _MXPS_STARTED.search(sched_log)
-    if not m:
+def native_server_ranks_from_log(sched_log: str, num_servers: int) -> Optional[List[str]]:
+    """Native ps-lite's server addresses ``host:port`` in rank order, from its scheduler's log
+    (``PS_VERBOSE=1``), or None before the ranks 0..num_servers-1 are all logged.
+
+    The log is the only place ps-lite tells which server got which rank (it has no other
+    output); mxps's scheduler writes its ranks as data instead (``server_ranks_from_job_info``).
+    """
+    found = {}
+    for m in _NATIVE_ASSIGN.finditer(sched_log):
+        found[(int(m.group(1)) - 8) // 2] = "%s:%s" % (m.group(2), m.group(3))
+    if sorted(found) != list(range(num_servers)):
         return None
-    return re.findall(r"'([^']+)'", m.group(1))
+    return [found[i] for i in range(num_servers)]
+
+
+def server_ranks_from_job_info(info: Optional[dict], num_servers: int) -> Optional[List[dict]]:
+    """mxps's servers (``{"rank", "host", "port", "pid"}``) in rank order, from the job info
+    its scheduler writes after the rendezvous (MXPS_JOB_INFO), or None before it is written.
+
+    Raises:
+        BenchError: the file is there but its servers are not ranks 0..num_servers-1.
+    """
+    if not info or not info.get("servers"):
+        return None
+    servers = sorted(info["servers"], key=lambda s: s.get("rank", -1))
+    ranks = [s.get("rank") for s in servers]
+    if ranks != list(range(num_servers)):
+        raise BenchError("the scheduler's job info lists server ranks %s, not 0..%d: %s"
+                         % (ranks, num_servers - 1, info))
+    return servers
 
 
 # --------------------------------------------------------------------------- placement maths
@@ -170,14 +188,12 @@ def bound_seconds(compute_s, model_bytes, num_workers, server_mbit, worker_mbit,
     return compute_s + directions * comm
 
 
-def _percentile(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+def p90(xs) -> float:
+    """The 90th percentile, interpolated linearly between the closest ranks (numpy's default)."""
+    xs = list(xs)
+    if len(xs) < 2:
+        return xs[0] if xs else float("nan")
+    return statistics.quantiles(xs, n=10, method="inclusive")[-1]
 
 
 # --------------------------------------------------------------------------- shares vs rates
@@ -285,12 +301,8 @@ class _Run:
         if self.param_sizes is None or b.pbar is not None or self.step_events:
             self._follow_worker(job)
         if self.ranks is None:
-            sched = job.node("sched")
-            self.ranks = server_ranks_from_logs(self.system.kvstore, sched.read("err"))
-            if self.ranks is not None:
-                self.rank_source = "scheduler log"
-                predicted = self.rank_nodes
-                self._map_nodes()
+            predicted = self.rank_nodes
+            if self.discover_ranks(job):
                 if predicted is not None and predicted != self.rank_nodes:
                     raise BenchError(
                         "%s: the scheduler gave server ranks to %s, not %s as predicted when "
@@ -331,8 +343,9 @@ class _Run:
     def predict_ranks(self):
         """Server nodes in rank order, before the job starts: mxps's scheduler ranks servers by
         ascending address, ps-lite's (native) by descending address (seen on 1.9.1; checked
-        against the schedulers' logs once the job runs).  Setting the scenario's rates before
-        the start matters: mxps's adaptive placement measures the links at start-up."""
+        against the ranks the job reports once it runs, ``discover_ranks``).  Setting the
+        scenario's rates before the start matters: mxps's adaptive placement measures the links
+        at start-up."""
         topo = self.b.topo
         if topo is None:
             return
@@ -343,13 +356,34 @@ class _Run:
         self.rank_nodes = servers
         self._apply_scenario()
 
-    def _map_nodes(self):
+    def discover_ranks(self, job) -> bool:
+        """Which server has which rank, read from the running job (``ranks``, ``rank_nodes``,
+        ``rank_source``); False while the job has not told yet."""
+        if is_mxps(self.system):
+            servers = server_ranks_from_job_info(job.job_info(), job.num_servers)
+            if servers is None:
+                return False
+            by_pid = {n.pid: n.name for n in job.nodes if n.role == "server"}
+            self.ranks = ["%s:%s" % (s["host"], s["port"]) for s in servers]
+            self.rank_nodes = [by_pid.get(s.get("pid")) or self._node_at(s["host"])
+                               for s in servers]
+            self.rank_source = "job info"
+        else:
+            ranks = native_server_ranks_from_log(job.node("sched").read("err"),
+                                                 job.num_servers)
+            if ranks is None:
+                return False
+            self.ranks = ranks
+            self.rank_nodes = [self._node_at(a.rsplit(":", 1)[0]) for a in ranks]
+            self.rank_source = "scheduler log"
+        return True
+
+    def _node_at(self, host):
+        """The topology node at address ``host`` (None on loopback, where every node is)."""
         topo = self.b.topo
         if topo is None:
-            self.rank_nodes = [None] * len(self.ranks)
-            return
-        by_addr = {topo.addr(n): n for n in topo.nodes}
-        self.rank_nodes = [by_addr.get(a.rsplit(":", 1)[0]) for a in self.ranks]
+            return None
+        return {topo.addr(n): n for n in topo.nodes}.get(host)
 
     def node_of(self, spec):
         if isinstance(spec, str) and spec.startswith("rank:"):
@@ -521,6 +555,8 @@ class Bench:
             rec.update(available=False, ok=False, reason=why)
             return rec
         rec["available"] = True
+        # PS_VERBOSE: native's rank assignment is only in its scheduler's log; mxps's
+        # scheduler logs its rendezvous and placement decisions at INFO (for the reader)
         role_env = {"scheduler": {"PS_VERBOSE": "1", "MXPS_LOG_LEVEL": "INFO"}}
         run = _Run(self, system)
         log_dir = os.path.join(o.out_dir, "logs", system.name)
@@ -552,6 +588,13 @@ class Bench:
         if not res.ok:
             rec["failure"] = res.describe()
             return rec
+        if run.ranks is None and not run.discover_ranks(job):
+            rec.update(ok=False, reason="%s: server ranks unknown: %s" % (
+                system.name, "the scheduler wrote no job info at %s (MXPS_JOB_INFO)"
+                % job.job_info_path if is_mxps(system) else
+                "no 'assign rank' lines for every server in ps-lite's scheduler log %s "
+                "(PS_VERBOSE=1)" % job.node("sched").err_path))
+            return rec
         workers = []
         for n in res.workers:
             lines = [ln for ln in n.read("out").splitlines() if ln.startswith("{")]
@@ -564,7 +607,7 @@ class Bench:
         rec["workers"] = workers
         rec["server_ranks"] = [{"rank": i, "addr": a, "node": nd} for i, (a, nd) in
                                enumerate(zip(run.ranks or [], run.rank_nodes or []))]
-        rec["rank_source"] = run.rank_source or "not found in the scheduler log"
+        rec["rank_source"] = run.rank_source
         rec["scenario_applied_at"] = run.scenario_applied_at
         rec["rate_log"] = run.rate_log
         rec["rate_events"] = [[t, ch] for t, ch in run.rate_events]
@@ -680,7 +723,7 @@ class Bench:
     def _step_stats(self, rec, workers):
         steps = [t for w in workers for t in w["step_seconds"]]
         rec["median_s"] = statistics.median(steps)
-        rec["p90_s"] = _percentile(steps, 0.9)
+        rec["p90_s"] = p90(steps)
         rec["window"] = [min(w["step_start_abs"][0] for w in workers),
                          max(w["step_end_abs"][-1] for w in workers)]
         rec["compute_seconds"] = [t for w in workers for t in w.get("compute_seconds", [])]
@@ -821,7 +864,20 @@ class Bench:
 
 # --------------------------------------------------------------------------- report
 
+def _table(rows, headers):
+    """Right-aligned text columns (cells formatted by the caller; the first column left)."""
+    from tabulate import tabulate
+    return tabulate(rows, headers=headers, disable_numparse=True, stralign="right",
+                    colalign=("left",) + ("right",) * (len(headers) - 1))
+
+
+def _fmt(fmt, value):
+    return "-" if value is None else fmt % value
+
+
 def format_table(summary) -> str:
+    """The bench's report: the scenario, then per system step times against the bound, bytes
+    per server, how the shares followed the rates, CPU per process (tables)."""
     o = summary["options"]
     emu = o["network"] == "emunet"
     lines = []
@@ -841,73 +897,74 @@ def format_table(summary) -> str:
     mb = summary["model"]["bytes"]
     if mb:
         lines.append("model %.1f MB; compute-only step (median) %s s"
-                     % (mb / 1e6, "%.3f" % summary["compute_seconds_median"]
-                        if summary["compute_seconds_median"] is not None else "n/a"))
-    hdr = "%-14s %9s %9s %8s %8s %7s %9s" % ("system", "median s", "p90 s", "speedup",
-                                             "bound s", "share", "serial s")
-    lines.append(hdr)
-    lines.append("-" * len(hdr))
-    for r in summary["systems"]:
-        if not r.get("available", True) or not r.get("ok"):
-            lines.append("%-14s %s" % (r["name"], "not available: " + r["reason"]
-                                       if not r.get("available", True)
-                                       else "FAILED: " + r["reason"]))
-            continue
-        lines.append("%-14s %9.3f %9.3f %8s %8s %7s %9s" % (
-            r["name"], r["median_s"], r["p90_s"],
-            "%.2fx" % r["speedup_vs_native"] if r.get("speedup_vs_native") else "-",
-            "%.3f" % r["bound_s"] if r.get("bound_s") else "-",
-            "%.0f%%" % (100 * r["bound_share"]) if r.get("bound_share") else "-",
-            "%.3f" % r["bound_serial_s"] if r.get("bound_serial_s") else "-"))
+                     % (mb / 1e6, _fmt("%.3f", summary["compute_seconds_median"])))
     ok = [r for r in summary["systems"] if r.get("ok")]
+    lines.append("")
+    lines.append(_table([[r["name"], "%.3f" % r["median_s"], "%.3f" % r["p90_s"],
+                          _fmt("%.2fx", r.get("speedup_vs_native")),
+                          _fmt("%.3f", r.get("bound_s")),
+                          _fmt("%.0f%%", 100 * r["bound_share"] if r.get("bound_share")
+                               else None),
+                          _fmt("%.3f", r.get("bound_serial_s"))] for r in ok],
+                        ["system", "median s", "p90 s", "speedup", "bound s", "share",
+                         "serial s"]))
+    for r in summary["systems"]:
+        if not r.get("available", True):
+            lines.append("%s: not available: %s" % (r["name"], r["reason"]))
+        elif not r.get("ok"):
+            lines.append("%s: FAILED: %s" % (r["name"], r["reason"]))
     if emu and ok:
         lines.append("")
-        lines.append("bytes per server per step, MB in (push) / out (pull); predicted = "
-                     "W x bytes under MXNet's placement")
+        lines.append("bytes per server per step, MB into (push) / out of (pull) each server")
+        lines.append("(predicted: W x bytes under MXNet's placement; *: link changed by the "
+                     "scenario)")
+        rows = []
         for r in ok:
-            cells = []
+            changed = {e[1] for e in r.get("rate_log", [])}
             for b in r.get("bytes_per_server", []):
-                slow = any(e[1] == b["node"] for e in r.get("rate_log", []))
-                cells.append("r%d=%s%s %.1f/%.1f (pred %.1f)" % (
-                    b["rank"], b["node"], "*" if slow else "", b["in_per_step"] / 1e6,
-                    b["out_per_step"] / 1e6, b["predicted_per_step"] / 1e6))
-            lines.append("  %-14s %s" % (r["name"], "  ".join(cells)))
-        lines.append("  (* = link changed by the scenario; rank->node read from %s)"
-                     % ok[0].get("rank_source"))
+                rows.append([r["name"], b["rank"], b["node"] + ("*" if b["node"] in changed
+                                                                else ""),
+                             "%.1f" % (b["in_per_step"] / 1e6), "%.1f" % (b["out_per_step"] / 1e6),
+                             "%.1f" % (b["predicted_per_step"] / 1e6), r.get("rank_source")])
+        lines.append(_table([[str(c) for c in row] for row in rows],
+                            ["system", "rank", "node", "in MB", "out MB", "predicted MB",
+                             "rank read from"]))
     fol = [r for r in ok if r.get("follow")]
     if fol:
         lines.append("")
-        lines.append("shares of the bytes per step vs rate-proportional targets (worker rank 0's "
-                     "metrics; within %.0f%%: max share/target <= %g)"
+        lines.append("shares of the bytes per step vs rate-proportional targets (worker rank "
+                     "0's metrics):")
+        lines.append("steps after each rate change until within %.0f%% of target (max "
+                     "share/target <= %g; never/N: not in the N steps before the next change)"
                      % (100 * (FOLLOW_TOLERANCE - 1), FOLLOW_TOLERANCE))
+        rows = []
         for r in fol:
             f = r["follow"]
             if f.get("error"):
-                lines.append("  %-14s %s" % (r["name"], f["error"]))
+                lines.append("%s: %s" % (r["name"], f["error"]))
                 continue
-            fmt = lambda c: "never/%d" % c["steps_observed"] if c["steps"] is None \
-                else str(c["steps"])   # noqa: E731
-            lines.append("  %-14s within %.0f%% of target N steps after each change: [%s]; "
-                         "share/target at the end %s; plan versions %s" % (
-                             r["name"], 100 * (FOLLOW_TOLERANCE - 1),
-                             ", ".join(fmt(c) for c in f["changes"]),
-                             "%.2f" % f["final_ratio"] if f.get("final_ratio") is not None
-                             else "-",
-                             "-".join(str(v) for v in f["plan_versions"])))
+            rows.append([r["name"], "[%s]" % ", ".join(
+                "never/%d" % c["steps_observed"] if c["steps"] is None else str(c["steps"])
+                for c in f["changes"]),
+                _fmt("%.2f", f.get("final_ratio")),
+                "-".join(str(v) for v in f["plan_versions"])])
+        if rows:
+            lines.append(_table(rows, ["system", "steps after each change",
+                                       "share/target at the end", "plan versions"]))
     if ok:
         lines.append("")
-        lines.append("CPU during the timed steps, %% of one core (machine: %d cores, %% of all)"
-                     % (summary["host"]["cpus"] or 0))
+        lines.append("CPU during the timed steps, %% of one core per process; all: %% of the "
+                     "machine's %d cores" % (summary["host"]["cpus"] or 0))
+        names = [n for n in ok[0]["cpu"]]
+        order = {"scheduler": 0, "server": 1, "worker": 2}
+        names.sort(key=lambda n: (order.get(ok[0]["cpu"][n]["role"], 3), len(n), n))
+        rows = []
         for r in ok:
-            by_role = {}
-            for name, c in r["cpu"].items():
-                if c["cpu_share_window"] is not None:
-                    by_role.setdefault(c["role"], []).append(
-                        "%s %.0f" % (name, 100 * c["cpu_share_window"]))
-            lines.append("  %-14s %s | all %.0f%%" % (
-                r["name"], " ".join(x for role in ("scheduler", "server", "worker")
-                                    for x in by_role.get(role, [])),
-                100 * r["cpu_machine_share"]))
+            shares = [r["cpu"].get(n, {}).get("cpu_share_window") for n in names]
+            rows.append([r["name"]] + [_fmt("%.0f", None if s is None else 100 * s)
+                                       for s in shares]
+                        + ["%.0f%%" % (100 * r["cpu_machine_share"])])
+        lines.append(_table(rows, ["system"] + names + ["all"]))
     return "\n".join(lines)
 
 

@@ -13,7 +13,6 @@ step (``mxps bench`` follows these for its progress bar and its measurement wind
 import argparse
 import json
 import os
-import sys
 import time
 
 _p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -18,7 +18,7 @@ Layers, bottom up:
 
 Example::
 
-    from mxps import emunet
+    from mxps_tools import emunet
     emunet.cleanup_stale()
     with emunet.Topology(['sched', 's0', 'w0'], rates={'s0': 100.0}) as topo:
         p = topo.popen('s0', ['python', 'server.py'])
@@ -36,12 +36,15 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import threading
 import time
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import psutil
 
 __all__ = [
     'EmunetError',
@@ -155,13 +158,36 @@ def _kill_pids(pids: Iterable[int], grace: float) -> None:
     pids = [p for p in pids if p != os.getpid()]
     for pid in pids:
         _signal_pid(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if _pid_alive(p)]
-        if pids:
-            time.sleep(0.02)
-    for pid in pids:
+    for pid in _wait_exits(pids, grace):
         _signal_pid(pid, signal.SIGKILL)
+
+
+def _wait_exits(pids: Iterable[int], timeout: float) -> List[int]:
+    """Wait until every pid has exited (a zombie has) or ``timeout`` seconds passed; the pids
+    still running.  Woken by each exit (pidfds), not by polling the process table."""
+    fds = {}
+    try:
+        for pid in pids:
+            try:
+                fds[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:
+                pass            # gone already
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        left = set(fds)
+        deadline = time.monotonic() + timeout
+        while left:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for fd, _ in poller.poll(remaining * 1000):
+                poller.unregister(fd)
+                left.discard(fd)
+        return [fds[fd] for fd in left]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _signal_pid(pid: int, sig: int) -> None:
@@ -174,21 +200,18 @@ def _signal_pid(pid: int, sig: int) -> None:
 def _pid_alive(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
     try:
-        with open(f'/proc/{pid}/stat') as f:
-            stat = f.read()
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return stat.rsplit(')', 1)[1].split()[0] != 'Z'
 
 
-def _pid_start_time(pid: int) -> Optional[int]:
-    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/pid/stat)."""
+def _pid_start_time(pid: int) -> Optional[float]:
+    """When ``pid`` started (unix time; with its pid, it tells a process from a later one that
+    reuses the pid), or None if it is gone."""
     try:
-        with open(f'/proc/{pid}/stat') as f:
-            fields = f.read().rsplit(')', 1)[1].split()
-    except OSError:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
         return None
-    return int(fields[19])
 
 
 def _delete_netns(netns: str, grace: float = 2.0) -> None:

@@ -1,15 +1,14 @@
-"""Start a parameter-server job by hand on loopback, the way MXNet's launcher does.
+"""Multi-process test jobs on loopback: the runner is ``mxps_tools.jobs``, these are the tests'
+helpers around it.
 
-``run_job`` starts one scheduler, S servers and W workers, each a separate process running
-``[sys.executable] + script_argv`` with the DMLC variables native ps-lite (and mxps) reads.
-Every node is pinned to 127.0.0.1: ``DMLC_PS_ROOT_URI``/``DMLC_NODE_HOST`` are loopback and
-``DMLC_INTERFACE=lo``, so no socket uses this machine's external address.
+``run_job`` runs one scheduler, S servers and W workers to completion (``mxps_tools.jobs.Job``):
+every node is pinned to 127.0.0.1 (``DMLC_PS_ROOT_URI``/``DMLC_NODE_HOST`` loopback,
+``DMLC_INTERFACE=lo``), runs in its own process group with output to files, the first node to
+exit non-zero or the timeout ends the job, and every process group is killed before it returns.
+The nodes import mxps as installed (``pip install -e .``): nothing puts this checkout on their
+PYTHONPATH.
 
-Output goes to files (a full pipe would block a node), processes run in their own process
-groups, and whatever happens (timeout, a node failing, an exception in the harness) every
-process group is killed before ``run_job`` returns.
-
-    result = run_job(["tests/jobs/train_job.py"], num_workers=2, num_servers=2,
+    result = run_job([TRAIN_JOB], num_workers=2, num_servers=2,
                      env={"JOB_KVSTORE": "dist_sync", "JOB_OUT": str(out)})
     result.raise_for_failure()
 
@@ -17,142 +16,25 @@ process group is killed before ``run_job`` returns.
 every worker ended with the same weights, ranks are distinct, a distributed kvstore was used.
 """
 import glob
+import ipaddress
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOBS_DIR = os.path.join(REPO_ROOT, "tests", "jobs")
+# the module as `runner`: the tests call the session's JobCache `jobs`
+from mxps_tools import jobs as runner
+from mxps_tools.jobs import LOOPBACK, QUIET_ENV, free_port  # noqa: F401  (for the tests)
+
+JOBS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
 TRAIN_JOB = os.path.join(JOBS_DIR, "train_job.py")
-
-LOOPBACK = "127.0.0.1"
-
-# One math thread per process, as the package's own job runner does.
-from mxps_tools.jobs import QUIET_ENV, free_port  # noqa: E402  (also re-exported for the tests)
-
-# After the last worker exits cleanly, servers and the scheduler get this long to exit.
-SERVER_EXIT_GRACE_SECONDS = 30.0
-POLL_SECONDS = 0.05
-STDERR_TAIL_CHARS = 3000
-
-
-@dataclass
-class ProcResult:
-    """One node of a job: its role, index within the role, and what it did."""
-    role: str                 # 'scheduler', 'server' or 'worker'
-    index: int                # launch index within the role (not the ps rank: ranks are assigned)
-    pid: int
-    returncode: Optional[int] = None
-    stdout: str = ""
-    stderr: str = ""
-    seconds: float = 0.0
-    killed: bool = False      # the harness killed it (timeout, or another node failed)
-
-    @property
-    def name(self) -> str:
-        return "%s%d" % (self.role, self.index)
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and not self.killed
-
-    def tail(self, chars: int = STDERR_TAIL_CHARS) -> str:
-        text = self.stderr.strip() or self.stdout.strip()
-        return text[-chars:]
-
-
-@dataclass
-class JobResult:
-    """What ``run_job`` observed. ``ok`` means every process exited 0 on its own in time."""
-    procs: List[ProcResult]
-    wall_seconds: float
-    port: int
-    timed_out: bool = False
-    reason: str = ""          # why the job is not ok, empty if it is
-    sockets: List[dict] = field(default_factory=list)   # see watch_sockets in run_job
-
-    @property
-    def ok(self) -> bool:
-        return not self.reason
-
-    @property
-    def workers(self) -> List[ProcResult]:
-        return [p for p in self.procs if p.role == "worker"]
-
-    @property
-    def failed(self) -> Optional[ProcResult]:
-        """The first node that failed on its own (non-zero exit), else the first one killed."""
-        bad = [p for p in self.procs if p.returncode not in (0, None) and not p.killed]
-        bad = bad or [p for p in self.procs if p.killed]
-        return bad[0] if bad else None
-
-    def describe(self) -> str:
-        lines = ["job on port %d: %s (%.1f s)" % (self.port, self.reason or "ok",
-                                                   self.wall_seconds)]
-        for p in self.procs:
-            lines.append("  %-10s pid %-7d rc=%-5s %5.1f s%s" % (
-                p.name, p.pid, p.returncode, p.seconds, " (killed)" if p.killed else ""))
-        node = self.failed
-        if node is not None:
-            lines.append("--- %s stderr (tail) ---" % node.name)
-            lines.append(node.tail())
-        return "\n".join(lines)
-
-    def raise_for_failure(self):
-        """Raise AssertionError naming the failing node, with its stderr tail."""
-        if not self.ok:
-            raise AssertionError(self.describe())
-        return self
-
-
-def _kill_group(proc: subprocess.Popen, sig=signal.SIGKILL):
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, "r", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-_SS_LINE = re.compile(r"^(\S+)\s+\d+\s+\d+\s+(\S+)\s+(\S+)\s+(.*)$")
-
-
-def sockets_of(pids) -> List[dict]:
-    """TCP and UDP sockets owned by ``pids``, from ``ss -tanpH`` and ``ss -uanpH``."""
-    pids = set(int(p) for p in pids)
-    out = ""
-    for flags in ("-tanpH", "-uanpH"):
-        try:
-            out += subprocess.run(["ss", flags], capture_output=True, text=True,
-                                  timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            pass
-    found = []
-    for line in out.splitlines():
-        m = _SS_LINE.match(line.strip())
-        if not m:
-            continue
-        owners = set(int(x) for x in re.findall(r"pid=(\d+)", m.group(4)))
-        if owners & pids:
-            found.append({"state": m.group(1), "local": m.group(2), "peer": m.group(3),
-                          "pids": sorted(owners & pids)})
-    return found
 
 
 def address_host(addr: str) -> str:
@@ -162,167 +44,39 @@ def address_host(addr: str) -> str:
 
 
 def is_loopback_address(addr: str) -> bool:
-    host = address_host(addr)
-    if host.startswith("::ffff:"):
-        host = host[len("::ffff:"):]
-    return host.startswith("127.") or host in ("::1",)
-
-
-def node_env(role: str, port: int, num_workers: int, num_servers: int,
-             host: str = LOOPBACK) -> Dict[str, str]:
-    """The DMLC variables one node needs (what dmlc_tracker's local launcher sets, on loopback)."""
-    return {
-        "DMLC_ROLE": role,
-        "DMLC_PS_ROOT_URI": host,
-        "DMLC_PS_ROOT_PORT": str(port),
-        "DMLC_NUM_WORKER": str(num_workers),
-        "DMLC_NUM_SERVER": str(num_servers),
-        "DMLC_NODE_HOST": host,
-        "DMLC_INTERFACE": "lo",
-    }
-
-
-def run_job(script_argv, num_workers: int, num_servers: int, env=None, per_rank_env=None,
-            timeout: float = 180, host: str = LOOPBACK, log_dir: Optional[str] = None,
-            watch_sockets: bool = False) -> JobResult:
-    """Run one scheduler, ``num_servers`` servers and ``num_workers`` workers to completion.
-
-    Args:
-        script_argv: the script and its arguments; each node runs ``[sys.executable] + argv``.
-        env: extra variables for every node (on top of os.environ and ``QUIET_ENV``).
-        per_rank_env: extra variables for some nodes, keyed by ``(role, index)`` or by role.
-        timeout: seconds for the whole job; then every node is killed and the job fails.
-        host: the address every node uses; must be loopback on this machine.
-        log_dir: keep stdout/stderr files there (else a temp dir, removed afterwards).
-        watch_sockets: sample ``ss`` while the job runs; the sockets land in ``.sockets``.
-
-    The first node to exit non-zero fails the job: the others are killed at once. A worker
-    that is still running is never killed for another worker's clean exit; servers and the
-    scheduler get ``SERVER_EXIT_GRACE_SECONDS`` after the last worker exits.
-    """
-    if not host.startswith("127."):
-        raise ValueError("run_job host %r is not loopback: jobs must stay on 127.0.0.0/8" % host)
-    port = free_port(host)
-    own_tmp = log_dir is None
-    log_dir = tempfile.mkdtemp(prefix="mxps-job-") if own_tmp else log_dir
-    os.makedirs(log_dir, exist_ok=True)
-    per_rank_env = per_rank_env or {}
-
-    base = dict(os.environ)
-    base.update(QUIET_ENV)
-    base["PYTHONPATH"] = os.pathsep.join(
-        [REPO_ROOT] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
-    base.update({k: str(v) for k, v in (env or {}).items()})
-
-    layout = [("scheduler", 0)] + [("server", i) for i in range(num_servers)] + \
-             [("worker", i) for i in range(num_workers)]
-    procs, popens, files, started = [], [], [], []
-    sockets, seen = [], set()
-    timed_out, reason = False, ""
-    start = time.monotonic()
+    """``host:port`` on loopback (IPv4, IPv6, or IPv4 loopback mapped into IPv6)."""
     try:
-        for role, index in layout:
-            penv = dict(base)
-            penv.update(node_env(role, port, num_workers, num_servers, host))
-            penv.update({k: str(v) for k, v in per_rank_env.get(role, {}).items()})
-            penv.update({k: str(v) for k, v in per_rank_env.get((role, index), {}).items()})
-            out_path = os.path.join(log_dir, "%s%d.out" % (role, index))
-            err_path = os.path.join(log_dir, "%s%d.err" % (role, index))
-            fo, fe = open(out_path, "wb"), open(err_path, "wb")
-            files.append((fo, fe, out_path, err_path))
-            p = subprocess.Popen([sys.executable] + list(script_argv), env=penv,
-                                 stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
-                                 cwd=REPO_ROOT, start_new_session=True)
-            popens.append(p)
-            started.append(time.monotonic())
-            procs.append(ProcResult(role=role, index=index, pid=p.pid))
-        workers_done_at = None
-        next_watch = 0.0
-        while True:
-            now = time.monotonic()
-            for i, p in enumerate(popens):
-                if procs[i].returncode is None and p.poll() is not None:
-                    procs[i].returncode = p.returncode
-                    procs[i].seconds = now - started[i]
-            bad = [pr for pr in procs if pr.returncode not in (None, 0)]
-            if bad:
-                reason = "%s exited with code %s" % (bad[0].name, bad[0].returncode)
-                break
-            if all(pr.returncode is not None for pr in procs):
-                break
-            if workers_done_at is None and all(
-                    pr.returncode is not None for pr in procs if pr.role == "worker"):
-                workers_done_at = now
-            if workers_done_at is not None and now - workers_done_at > SERVER_EXIT_GRACE_SECONDS:
-                left = [pr.name for pr in procs if pr.returncode is None]
-                reason = "workers finished but %s did not exit within %.0f s" % (
-                    ", ".join(left), SERVER_EXIT_GRACE_SECONDS)
-                break
-            if now - start > timeout:
-                timed_out = True
-                left = [pr.name for pr in procs if pr.returncode is None]
-                reason = "timeout after %.0f s; still running: %s" % (timeout, ", ".join(left))
-                break
-            if watch_sockets and now >= next_watch:
-                for s in sockets_of(pr.pid for pr in procs if pr.returncode is None):
-                    key = (s["local"], s["peer"])
-                    if key not in seen:
-                        seen.add(key)
-                        sockets.append(s)
-                next_watch = now + 0.25
-            time.sleep(POLL_SECONDS)
-    except BaseException as exc:   # harness error or KeyboardInterrupt: still clean up
-        reason = reason or "harness error: %r" % (exc,)
-        raise
-    finally:
-        # Kill every group still alive (and the groups of nodes that exited: children they
-        # may have left behind), then reap.
-        for i, p in enumerate(popens):
-            if p.poll() is None:
-                procs[i].killed = True
-                _kill_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + 2.0
-        for p in popens:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in popens:
-            _kill_group(p, signal.SIGKILL)
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        end = time.monotonic()
-        for i, p in enumerate(popens):
-            if procs[i].returncode is None:
-                procs[i].returncode = p.returncode
-                procs[i].seconds = end - started[i]
-        for i, (fo, fe, out_path, err_path) in enumerate(files):
-            fo.close()
-            fe.close()
-            if i < len(procs):
-                procs[i].stdout = _read(out_path)
-                procs[i].stderr = _read(err_path)
-        if own_tmp:
-            shutil.rmtree(log_dir, ignore_errors=True)
-    return JobResult(procs=procs, wall_seconds=time.monotonic() - start, port=port,
-                     timed_out=timed_out, reason=reason, sockets=sockets)
+        ip = ipaddress.ip_address(address_host(addr))
+    except ValueError:          # '*', a wildcard peer
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def run_single(script_argv, env=None, timeout: float = 120) -> ProcResult:
-    """Run the script as one plain process (no DMLC variables): e.g. ``JOB_KVSTORE=local``."""
-    penv = dict(os.environ)
-    for k in list(penv):
-        if k.startswith("DMLC_"):
-            del penv[k]
+def run_job(script_argv, num_workers: int, num_servers: int, env=None, role_env=None,
+            timeout: float = 180, log_dir: Optional[str] = None,
+            watch_sockets: bool = False) -> runner.JobResult:
+    """Run the job to completion on loopback (``mxps_tools.jobs.Job.run``).
+
+    ``role_env``: extra variables by role (``"worker"``) or node (``"w1"``); ``log_dir``: keep
+    the nodes' output there (else a temp dir, removed); ``watch_sockets``: the sockets the nodes
+    owned land in ``.sockets``.  A worker still running is never killed for another worker's
+    clean exit; servers and the scheduler get ``runner.SERVER_EXIT_GRACE_SECONDS`` after the last
+    worker exits.
+    """
+    return runner.Job(script_argv, num_workers, num_servers, env=env, role_env=role_env,
+                      timeout=timeout, log_dir=log_dir, watch_sockets=watch_sockets,
+                      cpu_interval=None).run()
+
+
+def run_single(script_argv, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the script as one plain process (no DMLC variables): e.g. ``JOB_KVSTORE=local``.
+    Raises AssertionError with its output if it fails or outlives ``timeout``."""
+    penv = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
     penv.update(QUIET_ENV)
-    penv["PYTHONPATH"] = os.pathsep.join(
-        [REPO_ROOT] + [p for p in penv.get("PYTHONPATH", "").split(os.pathsep) if p])
     penv.update({k: str(v) for k, v in (env or {}).items()})
-    start = time.monotonic()
-    p = subprocess.Popen([sys.executable] + list(script_argv), env=penv, cwd=REPO_ROOT,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    argv = [sys.executable] + list(script_argv)
+    p = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, start_new_session=True)
     killed = False
     try:
@@ -335,13 +89,20 @@ def run_single(script_argv, env=None, timeout: float = 120) -> ProcResult:
         if p.poll() is None:
             _kill_group(p)
             p.wait()
-    res = ProcResult(role="single", index=0, pid=p.pid, returncode=p.returncode,
-                     stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
-                     seconds=time.monotonic() - start, killed=killed)
-    if not res.ok:
+    done = subprocess.CompletedProcess(argv, p.returncode, out.decode(errors="replace"),
+                                       err.decode(errors="replace"))
+    if killed or done.returncode != 0:
+        tail = (done.stderr.strip() or done.stdout.strip())[-runner.TAIL_CHARS:]
         raise AssertionError("single process failed (rc=%s%s):\n%s" % (
-            res.returncode, ", killed after timeout" if killed else "", res.tail()))
-    return res
+            done.returncode, ", killed after %.0f s" % timeout if killed else "", tail))
+    return done
+
+
+def _kill_group(proc: subprocess.Popen, sig=signal.SIGKILL):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # --------------------------------------------------------------------------- results of train_job
@@ -429,7 +190,7 @@ def train_env(kvstore, optimizer="sgd", update_on_kvstore=None, lr_mult=False, d
 @dataclass
 class TrainRun:
     out_dir: str
-    result: Optional[JobResult]
+    result: Optional[runner.JobResult]
     seconds: float
 
 
@@ -486,7 +247,7 @@ class JobCache:
                           watch_sockets=True)
             res.raise_for_failure()
             return TrainRun(out, res, res.wall_seconds)
-        except AssertionError as exc:
+        except (AssertionError, runner.JobFailed) as exc:
             return AssertionError(
                 "%dx%d job with %s failed:\n%s" % (num_workers, num_servers, env, exc))
 

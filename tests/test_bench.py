@@ -4,7 +4,8 @@ One 2-worker x 2-server ``static`` run (a small MLP, few steps) of native dist_s
 mxps-default and mxps-adaptive is shared by the tests that read its JSON; a short ``dynamic``
 run of mxps-default (the slow link moving every 2 steps) is shared by the tests of the moves,
 the metrics files and the shares plot; another run is SIGKILLed mid-way to show that nothing
-survives ``emunet.cleanup_stale``.  Needs root (network namespaces).
+survives ``emunet.cleanup_stale``.  Needs root (network namespaces).  The bench runs the way a
+user runs it: from a directory outside this checkout, with mxps as installed (no PYTHONPATH).
 """
 import json
 import re
@@ -14,23 +15,16 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
-from mxps_tools import bench, emunet
+from mxps_tools import bench, emunet, jobs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "mxpsbt-"        # namespaces of these tests only
 SMALL = ["--quick", "--steps", "4", "--warmup", "1", "--compute-steps", "1", "--rate", "200",
          "--no-plots", "--no-progress", "--netns-prefix", PREFIX]
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
-    return env
 
 
 def _bench_cmd(out_dir, *extra):
@@ -45,9 +39,8 @@ def _our_namespaces():
 
 def _alive(pid):
     try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -56,7 +49,7 @@ def static_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_static")
     t0 = time.monotonic()
     p = subprocess.run(_bench_cmd(out, "--systems", "native,mxps-default,mxps-adaptive"),
-                       capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+                       capture_output=True, text=True, cwd=out, timeout=300)
     wall = time.monotonic() - t0
     assert p.returncode == 0, "bench failed (rc %s):\n%s\n%s" % (p.returncode, p.stdout,
                                                                p.stderr[-4000:])
@@ -73,7 +66,7 @@ def dynamic_run(tmp_path_factory):
            "--scenario", "dynamic", "--period-steps", "2", "--steps", "9", "--warmup", "1",
            "--compute-steps", "1", "--rate", "200", "--no-progress", "--netns-prefix", PREFIX,
            "--systems", "mxps-default"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=out, timeout=300)
     assert p.returncode == 0, "bench failed (rc %s):\n%s\n%s" % (p.returncode, p.stdout,
                                                                p.stderr[-4000:])
     with open(out / "bench.json") as f:
@@ -125,14 +118,103 @@ def test_dynamic_runs_by_steps_with_three_moves_unless_given_seconds():
     assert bench.options_from_args(p.parse_args(["--quick"])).steps == 8
 
 
-def test_server_ranks_are_read_from_native_and_mxps_scheduler_logs():
+def test_native_server_ranks_are_read_from_ps_lites_scheduler_log():
     native = ("[x] van.cc:70: assign rank=9 to node role=worker, ip=198.18.0.4, port=1, x\n"
               "[x] van.cc:70: assign rank=10 to node role=server, ip=198.18.0.2, port=5, x\n"
               "[x] van.cc:70: assign rank=8 to node role=server, ip=198.18.0.3, port=7, x\n")
-    assert bench.server_ranks_from_logs("dist_sync", native) == ["198.18.0.3:7", "198.18.0.2:5"]
-    mx = "INFO job started: 2 servers ['198.18.0.2:40', '198.18.0.3:41'], 2 workers\n"
-    assert bench.server_ranks_from_logs("mxps", mx) == ["198.18.0.2:40", "198.18.0.3:41"]
-    assert bench.server_ranks_from_logs("mxps", "nothing yet") is None
+    assert bench.native_server_ranks_from_log(native, 2) == ["198.18.0.3:7", "198.18.0.2:5"]
+    # not every server's line logged yet: no answer rather than a partial one
+    assert bench.native_server_ranks_from_log(native.rsplit("[x]", 1)[0], 2) is None
+    assert bench.native_server_ranks_from_log(native, 3) is None
+    assert bench.native_server_ranks_from_log("nothing yet", 2) is None
+
+
+def _job_info(servers):
+    return {"mode": "sync", "servers": servers, "replan_points": [], "exit": None,
+            "workers": [{"rank": 0, "host": "127.0.0.1", "port": 4100, "pid": 103},
+                        {"rank": 1, "host": "127.0.0.1", "port": 4101, "pid": 104}]}
+
+
+def test_mxps_server_ranks_and_their_nodes_are_read_from_the_schedulers_job_info(tmp_path):
+    # a job whose nodes (sched, s0, s1, w0, w1) have these pids; not started: the file below
+    # stands in for the one mxps's scheduler writes at MXPS_JOB_INFO after the rendezvous
+    job = jobs.Job(["-c", "pass"], 2, 2)
+    for n, pid in zip(job.nodes, (100, 101, 102, 103, 104)):
+        n.pid = pid
+    job.job_info_path = str(tmp_path / jobs.JOB_INFO_FILE)
+    run = bench._Run(bench.Bench(bench.Options(network="loopback")),
+                     bench.system_by_name("mxps-adaptive"))
+    assert not run.discover_ranks(job) and run.ranks is None          # not written yet
+    with open(job.job_info_path, "w") as f:
+        f.write('{"mode": "sync", "servers": [{"rank": 0, "ho')        # being written
+    assert not run.discover_ranks(job) and run.ranks is None
+    # rank order is the file's, not the start order: rank 0 is s1 (pid 102)
+    servers = [{"rank": 1, "host": "127.0.0.1", "port": 4001, "pid": 101},
+               {"rank": 0, "host": "127.0.0.1", "port": 4002, "pid": 102}]
+    with open(job.job_info_path, "w") as f:
+        json.dump(_job_info(servers), f)
+    assert run.discover_ranks(job)
+    assert run.ranks == ["127.0.0.1:4002", "127.0.0.1:4001"]
+    assert run.rank_nodes == ["s1", "s0"] and run.rank_source == "job info"
+    with open(job.job_info_path, "w") as f:
+        json.dump(_job_info([dict(servers[0], rank=2), servers[1]]), f)
+    with pytest.raises(bench.BenchError, match=r"server ranks \[0, 2\]"):
+        run.discover_ranks(job)
+
+
+def test_p90_interpolates_between_the_closest_ranks_like_numpy():
+    import numpy as np
+    for xs in ([3.0, 1.0], [0.5, 0.1, 0.9, 0.3, 0.7], list(range(1, 12)), [2.0] * 4):
+        assert bench.p90(xs) == pytest.approx(float(np.percentile(xs, 90)))
+    assert bench.p90([0.25]) == 0.25
+
+
+def _cpu(share):
+    roles = {"sched": "scheduler", "s0": "server", "s1": "server", "w0": "worker",
+             "w1": "worker"}
+    return {n: {"role": r, "pid": 1, "cpu_share_window": share} for n, r in roles.items()}
+
+
+def test_report_tabulates_each_system_its_bytes_per_server_shares_and_cpu():
+    common = {"ok": True, "available": True, "bound_s": 0.2, "bound_serial_s": 0.3}
+    summary = {
+        "options": {"network": "emunet", "schedule": None, "scenario": "static",
+                    "num_workers": 2, "num_servers": 2, "model": "mlp", "rate": 200.0,
+                    "slow_factor": 4.0, "period": None, "period_steps": 8},
+        "model": {"bytes": 2.5e6}, "compute_seconds_median": 0.0123, "host": {"cpus": 2},
+        "systems": [
+            dict(common, name="native", median_s=0.5, p90_s=0.61, speedup_vs_native=1.0,
+                 bound_share=0.4, rate_log=[[1.0, "s1", 50.0, 50.0]], cpu=_cpu(0.5),
+                 cpu_machine_share=0.7, rank_source="scheduler log",
+                 bytes_per_server=[{"rank": 0, "node": "s1", "in_per_step": 2e6,
+                                    "out_per_step": 2.1e6, "predicted_per_step": 2.2e6}]),
+            dict(common, name="mxps-adaptive", median_s=0.25, p90_s=0.3, speedup_vs_native=2.0,
+                 bound_share=0.8, rate_log=[], cpu=_cpu(None), cpu_machine_share=0.9,
+                 rank_source="job info", bytes_per_server=[],
+                 follow={"changes": [{"steps": 2, "steps_observed": 4},
+                                     {"steps": None, "steps_observed": 3}],
+                         "final_ratio": 1.6, "plan_versions": [0, 1]}),
+            {"name": "mxps-default", "ok": False, "available": True,
+             "reason": "w1 (worker) exited with code 3"}]}
+    text = bench.format_table(summary)
+    rows = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.strip()}
+    assert "scenario static: 2 workers x 2 servers, mlp" in text and "(R/4)" in text
+    assert "compute-only step (median) 0.012 s" in text
+    header = next(ln.split() for ln in text.splitlines() if ln.startswith("system  "))
+    assert header[:4] == ["system", "median", "s", "p90"]
+    native = [ln.split() for ln in text.splitlines() if ln.startswith("native ")]
+    assert native[0] == ["native", "0.500", "0.610", "1.00x", "0.200", "40%", "0.300"]
+    # bytes: rank 0 on s1, whose link the scenario changed (*), MB in / out / predicted
+    assert native[1] == ["native", "0", "s1*", "2.0", "2.1", "2.2", "scheduler", "log"]
+    assert native[2] == ["native", "50", "50", "50", "50", "50", "70%"]       # CPU
+    adaptive = [ln.split() for ln in text.splitlines() if ln.startswith("mxps-adaptive ")]
+    assert adaptive[0][:4] == ["mxps-adaptive", "0.250", "0.300", "2.00x"]
+    assert "within 15% of target" in text
+    assert adaptive[1] == ["mxps-adaptive", "[2,", "never/3]", "1.60", "0-1"]
+    assert adaptive[2] == ["mxps-adaptive", "-", "-", "-", "-", "-", "90%"]
+    assert rows["mxps-default:"] == "mxps-default: FAILED: w1 (worker) exited with code 3".split()
+    cpu_header = [ln.split() for ln in text.splitlines() if ln.split()[:2] == ["system", "sched"]]
+    assert cpu_header == [["system", "sched", "s0", "s1", "w0", "w1", "all"]]
 
 
 def test_predicted_elements_follow_mxnets_rule_over_sorted_keys():
@@ -185,7 +267,8 @@ def test_static_run_of_both_systems_completes_and_its_json_has_every_field(stati
             assert key in r, (name, key)
         assert len(r["workers"]) == 2
         assert all(len(w["step_seconds"]) == 4 for w in r["workers"])
-        assert r["rank_source"] == "scheduler log"
+        # ranks as data from mxps's scheduler; ps-lite's only record is its scheduler's log
+        assert r["rank_source"] == ("scheduler log" if name == "native" else "job info")
         assert sorted(x["node"] for x in r["server_ranks"]) == ["s0", "s1"]
         # the static scenario slowed exactly the node holding server rank 0
         assert [e[1] for e in r["rate_log"]] == [r["server_ranks"][0]["node"]]
@@ -299,7 +382,7 @@ def test_dynamic_moves_the_slow_link_by_steps_and_plots_the_shares(dynamic_run):
 
 @needs_root
 def test_a_killed_bench_leaves_nothing_after_cleanup_stale(tmp_path):
-    p = subprocess.Popen(_bench_cmd(tmp_path, "--systems", "native"), env=_env(), cwd=REPO,
+    p = subprocess.Popen(_bench_cmd(tmp_path, "--systems", "native"), cwd=tmp_path,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     err = tmp_path / "logs" / "native" / "w1.err"
     deadline = time.monotonic() + 90

@@ -1,10 +1,12 @@
-"""Tests of mxps.emunet: shaping accuracy, live rate changes, cleanup, safety of the root namespace.
+"""Tests of mxps_tools.emunet: shaping accuracy, live rate changes, cleanup, safety of the root
+namespace.
 
 Most tests need root and iproute2 (they build real namespaces); they are skipped otherwise.
 Throughput is measured with a small Python TCP sender/receiver run inside the namespaces.
+Importing the tools imports neither MXNet nor the runtime, so the tests and the child processes
+below simply ``import mxps_tools.emunet`` (as installed).
 """
 
-import importlib.util
 import ipaddress
 import json
 import os
@@ -15,21 +17,7 @@ import textwrap
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EMUNET_DIR = os.path.join(REPO, 'mxps_tools')
-
-
-def _load_emunet():
-    """Load mxps/emunet.py by path: it needs only the standard library, whereas `import mxps`
-    imports MXNet (many seconds on a loaded 2-core machine) and takes over DMLC_ROLE processes.
-    Child processes do the same by putting EMUNET_DIR on their path."""
-    spec = importlib.util.spec_from_file_location('emunet', os.path.join(EMUNET_DIR, 'emunet.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-emunet = _load_emunet()
+from mxps_tools import emunet
 
 #: TCP payload per Ethernet frame counted by tbf (MSS 1448 with timestamps, 1514-byte frame).
 GOODPUT = 1448 / 1514
@@ -264,9 +252,8 @@ def test_exception_inside_block_still_cleans_up():
 
 
 CRASHING_CHILD = textwrap.dedent('''
-    import json, sys, time
-    sys.path.insert(0, sys.argv[1])
-    import emunet
+    import json, time
+    from mxps_tools import emunet
     t = emunet.Topology(['x', 'y'], rates={'x': 20.0}).start()
     p = t.popen('y', ['sleep', '60'])
     print(json.dumps({'namespaces': t.namespaces, 'pid': p.pid}), flush=True)
@@ -276,7 +263,7 @@ CRASHING_CHILD = textwrap.dedent('''
 
 @needs_root
 def test_cleanup_stale_removes_leftovers_of_a_sigkilled_run_and_a_new_topology_works():
-    child = subprocess.Popen([sys.executable, '-c', CRASHING_CHILD, EMUNET_DIR],
+    child = subprocess.Popen([sys.executable, '-c', CRASHING_CHILD],
                              stdout=subprocess.PIPE, text=True)
     try:
         info = json.loads(child.stdout.readline())
@@ -299,10 +286,9 @@ def test_cleanup_stale_removes_leftovers_of_a_sigkilled_run_and_a_new_topology_w
 
 
 EXITING_CHILD = textwrap.dedent('''
-    import json, os, sys, time
-    sys.path.insert(0, sys.argv[1])
-    import emunet
-    if sys.argv[2] == 'atexit':
+    import json, sys, time
+    from mxps_tools import emunet
+    if sys.argv[1] == 'atexit':
         t = emunet.Topology(['x', 'y']).start()
         p = t.popen('y', ['sleep', '60'])
         print(json.dumps({'namespaces': t.namespaces, 'pid': p.pid}), flush=True)
@@ -317,7 +303,7 @@ EXITING_CHILD = textwrap.dedent('''
 @needs_root
 @pytest.mark.parametrize('how', ['SIGINT', 'SIGTERM', 'atexit'])
 def test_owner_process_cleans_up_on_ctrl_c_sigterm_and_plain_exit(how):
-    child = subprocess.Popen([sys.executable, '-c', EXITING_CHILD, EMUNET_DIR, how],
+    child = subprocess.Popen([sys.executable, '-c', EXITING_CHILD, how],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         info = json.loads(child.stdout.readline())

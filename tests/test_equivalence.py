@@ -21,6 +21,7 @@ the cases and the tolerance (3 workers sum in arrival order on native servers, s
 are not bit-identical run to run).
 """
 import os
+import sys
 
 import pytest
 
@@ -51,8 +52,8 @@ def mxps_is_importable():
         except AssertionError as exc:
             _mxps_problem.append(str(exc))
     if _mxps_problem[0]:
-        pytest.fail("mxps cannot be used (import mxps; kvstore 'mxps' registered) from %s:\n%s"
-                    % (cluster.REPO_ROOT, _mxps_problem[0]), pytrace=False)
+        pytest.fail("mxps cannot be used (import mxps; kvstore 'mxps' registered) by %s:\n%s"
+                    % (sys.executable, _mxps_problem[0]), pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -128,6 +129,7 @@ def test_mxps_final_weights_equal_native_dist_sync(jobs, workers, servers, nativ
 
 def test_mxps_job_uses_only_loopback_sockets(jobs):
     run = jobs.train(train_env(CANDIDATE, update_on_kvstore=True), 2, 2)
+    assert any(s["state"] == "LISTEN" for s in run.result.sockets), run.result.sockets
     outside = [s for s in run.result.sockets if not (
         cluster.is_loopback_address(s["local"]) and
         (s["state"] == "LISTEN" or cluster.is_loopback_address(s["peer"])))]

@@ -1,7 +1,7 @@
 """``mxps launch``: MXNet's real launcher (--launcher local) in a private network namespace.
 
     PATH=/work/venv/bin:$PATH JOB_KVSTORE=mxps JOB_OUT=... \
-        python -m mxps.cli launch -n 2 -s 2 -- python tests/jobs/fault_launch_env.py
+        mxps launch -n 2 -s 2 -- python tests/jobs/fault_launch_env.py
 
 ``fault_launch_env.py`` records each node's DMLC_* variables and then runs train_job.py
 unchanged, which passes ``kvstore='mxps'`` *by name* to gluon.Trainer with one device: the case
@@ -25,7 +25,7 @@ import cluster  # noqa: E402
 
 LAUNCH_TIMEOUT = 300
 NAMESPACE_NET = ipaddress.ip_network("198.18.0.0/15")
-ENV_JOB = os.path.join("tests", "jobs", "fault_launch_env.py")
+ENV_JOB = os.path.join(cluster.JOBS_DIR, "fault_launch_env.py")
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
@@ -46,15 +46,14 @@ def _launch(out, log_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
     env.update(cluster.QUIET_ENV)
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(
-        [cluster.REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(cluster.train_env("mxps", steps=5))
     env["JOB_OUT"] = out
     argv = [sys.executable, "-m", "mxps_tools.cli", "launch", "-n", "2", "-s", "2", "--",
             "python", ENV_JOB]
     with open(os.path.join(log_dir, "launch.out"), "wb") as fo, \
             open(os.path.join(log_dir, "launch.err"), "wb") as fe:
-        p = subprocess.Popen(argv, env=env, cwd=cluster.REPO_ROOT, stdin=subprocess.DEVNULL,
+        # from outside the checkout: mxps and its tools as installed
+        p = subprocess.Popen(argv, env=env, cwd=log_dir, stdin=subprocess.DEVNULL,
                              stdout=fo, stderr=fe, start_new_session=True)
     start = time.monotonic()
     timed_out = False

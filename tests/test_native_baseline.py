@@ -4,12 +4,19 @@ These run without mxps. They pin down what native does (synchronised weights, th
 split, lr_mult on servers) and that the harness itself is sound (loopback only, no kvstore
 silently dropped, no process left behind).
 """
+import json
+import os
+import signal
+import time
+
 import numpy as np
+import psutil
 import pytest
 
 import cluster
 from cluster import (assert_synchronised, assert_weights_close, load_weights, native_dist_sync,
                      train_env)
+from mxps_tools import jobs as runner
 
 # The first Dense layer's weight, which JOB_LR_MULT=1 gives lr_mult=0.5.
 LR_MULT_PARAM = "net_dense0_weight"
@@ -28,8 +35,8 @@ def test_free_port_is_a_bindable_loopback_port():
 
 
 def test_run_job_refuses_a_non_loopback_host():
-    with pytest.raises(ValueError, match="loopback"):
-        cluster.run_job(["-c", "pass"], 1, 1, host="0.0.0.0")
+    with pytest.raises(runner.JobError, match="loopback"):
+        runner.Job(["-c", "pass"], 1, 1, host="0.0.0.0")
 
 
 def test_run_job_kills_the_rest_and_names_the_node_that_failed():
@@ -37,24 +44,92 @@ def test_run_job_kills_the_rest_and_names_the_node_that_failed():
               "if os.environ['DMLC_ROLE'] == 'worker' and os.environ.get('FAIL') == '1':\n"
               "    sys.stderr.write('boom from the failing worker\\n'); sys.exit(3)\n"
               "time.sleep(60)\n")
-    res = cluster.run_job(["-c", script], 2, 1, per_rank_env={("worker", 1): {"FAIL": "1"}},
-                          timeout=30)
+    res = cluster.run_job(["-c", script], 2, 1, role_env={"w1": {"FAIL": "1"}}, timeout=30)
     assert not res.ok and not res.timed_out
-    assert res.failed.name == "worker1" and res.failed.returncode == 3
+    assert res.failed.name == "w1" and res.failed.returncode == 3
+    assert res.reason == "w1 (worker) exited with code 3"
     assert res.wall_seconds < 20
-    assert all(p.killed for p in res.procs if p.name != "worker1")
-    with pytest.raises(AssertionError, match="boom from the failing worker"):
+    assert all(n.killed for n in res.nodes if n.name != "w1")
+    with pytest.raises(runner.JobFailed, match="boom from the failing worker"):
         res.raise_for_failure()
-    for p in res.procs:
+    for n in res.nodes:
         with pytest.raises(ProcessLookupError):
-            import os
-            os.kill(p.pid, 0)
+            os.kill(n.pid, 0)
 
 
 def test_run_job_times_out_and_kills_everything():
     res = cluster.run_job(["-c", "import time; time.sleep(60)"], 1, 1, timeout=2)
     assert res.timed_out and not res.ok and "timeout" in res.reason
-    assert all(p.killed for p in res.procs)
+    assert all(n.killed for n in res.nodes)
+
+
+def test_run_job_starts_nodes_in_the_callers_cwd_without_the_checkout_on_pythonpath(
+        tmp_path, monkeypatch):
+    # the runner works wherever mxps is installed: it neither changes directory to a source
+    # tree nor adds one to PYTHONPATH (the nodes import mxps as installed)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    script = ("import json, os, sys\n"
+              "print(json.dumps([os.getcwd(), os.environ.get('PYTHONPATH'), sys.path[1:]]))\n")
+    res = cluster.run_job(["-c", script], 1, 1, timeout=60).raise_for_failure()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for n in res.nodes:     # read after the runner removed its temporary log dir
+        cwd, pythonpath, path = json.loads(n.stdout)
+        assert cwd == str(tmp_path) and pythonpath is None, (n.name, cwd, pythonpath)
+        assert here not in path, (n.name, path)
+
+
+def test_only_the_scheduler_gets_mxps_job_info_and_the_result_holds_what_it_wrote(tmp_path):
+    script = ("import json, os\n"
+              "path = os.environ.get('MXPS_JOB_INFO')\n"
+              "print(json.dumps(path))\n"
+              "if path:\n"
+              "    json.dump({'servers': [{'rank': 0, 'pid': os.getpid()}]}, open(path, 'w'))\n")
+    log_dir = tmp_path / "logs"
+    res = cluster.run_job(["-c", script], 1, 1, timeout=60, log_dir=str(log_dir))
+    res.raise_for_failure()
+    paths = {n.name: json.loads(n.stdout) for n in res.nodes}
+    assert paths == {"sched": str(log_dir / runner.JOB_INFO_FILE), "s0": None, "w0": None}
+    assert res.job_info == {"servers": [{"rank": 0, "pid": res.node("sched").pid}]}
+
+
+def test_an_observed_job_records_exits_as_they_happen_and_is_stopped_on_leaving_the_block(
+        tmp_path):
+    script = ("import os, sys, time\n"
+              "open(os.path.join(sys.argv[1], os.environ['DMLC_ROLE'] + str(os.getpid())), "
+              "'w').close()\n"
+              "time.sleep(60)\n")
+    job = runner.Job(["-c", script, str(tmp_path)], 2, 1)
+    with job:
+        job.wait(lambda: len(os.listdir(tmp_path)) == 4, 60, "a file from every node")
+        assert not any(n.returncode is not None for n in job.nodes), job.result.describe()
+        killed_at = time.monotonic()
+        job.kill("w1")
+        job.wait(lambda: job.node("w1").returncode is not None, 10, "the exit of w1")
+        # seen at once (a pidfd wakes the runner), while the other nodes keep running
+        assert job.node("w1").exited_at - killed_at < runner.POLL_SECONDS + 0.5
+        assert job.node("w1").returncode == -signal.SIGKILL and not job.node("w1").killed
+        with pytest.raises(runner.JobTimeout, match="no exit of w0 within 1 s"):
+            job.wait(lambda: job.node("w0").returncode is not None, 1, "exit of w0")
+    assert [n.name for n in job.nodes if n.killed] == ["sched", "s0", "w0"]
+    assert "w1" in job.result.describe() and not job.result.ok
+    for n in job.nodes:
+        assert not psutil.pid_exists(n.pid), n
+    with pytest.raises(runner.JobError, match="runs once"):
+        job.start()
+
+
+def test_the_runner_samples_each_nodes_cpu_time(tmp_path):
+    spin = ("import os, time\n"
+            "t = time.process_time()\n"
+            "while os.environ['DMLC_ROLE'] == 'worker' and time.process_time() - t < 0.6:\n"
+            "    pass\n"
+            "time.sleep(0.5)\n")
+    res = runner.Job(["-c", spin], 1, 1, cpu_interval=0.05).run().raise_for_failure()
+    w0, s0 = res.node("w0"), res.node("s0")
+    start, end = w0.cpu[0][0], w0.cpu[-1][0]
+    assert 0.3 < w0.cpu_seconds_between(start, end) < 1.0, w0.cpu
+    assert s0.cpu_seconds_between(start, end) < 0.2, s0.cpu
 
 
 def test_native_dist_sync_workers_end_identical_and_differ_from_training_alone(jobs):

@@ -4,16 +4,14 @@ MXPS_REPLAN_FORCE=1 with MXPS_REPLAN_INTERVAL=1 makes the scheduler switch to a 
 every round (``adaptive.forced_table``: other cut points and other owners each time, so every
 slice's weights, optimizer state and update count move between servers at every step). The
 final weights must equal those of the same training with a fixed plan (relative L2 <= 1e-5 per
-parameter, as test_equivalence), and the scheduler's log must show the re-plans and the bytes
-they moved. MXPS_MIN_SLICE=64 lets the small model's keys (2048 and 1024 elements) be cut.
+parameter, as test_equivalence), and the scheduler's job facts (MXPS_JOB_INFO, which the job
+runner points into the run's log dir and reads back) must list the re-plans and the bytes they
+moved. MXPS_MIN_SLICE=64 lets the small model's keys (2048 and 1024 elements) be cut.
 
 The fixed-plan reference is native MXNet playing the W workers exactly in one process
 (JOB_SIMULATE_WORKERS, checked equal to native dist_sync in test_native_baseline, and to mxps
 with its fixed plans in test_equivalence): one process instead of a 2W+1-process job.
 """
-import os
-import re
-
 import pytest
 
 import cluster
@@ -30,21 +28,18 @@ def jobs(tmp_path_factory):
     return cluster.job_cache(tmp_path_factory)
 
 
-def scheduler_log(run):
-    with open(os.path.join(run.out_dir, "logs", "scheduler0.err")) as f:
-        return f.read()
+def replan_points(run):
+    """The re-plan points the scheduler answered, in order (its job facts, MXPS_JOB_INFO):
+    ``{round, kind, plan_version, new_plan, full_next, moved_bytes, at}``."""
+    facts = run.result.job_info
+    assert facts is not None, "the scheduler wrote no job facts (MXPS_JOB_INFO) in %s" % (
+        run.result.log_dir)
+    assert facts["exit"] == {"code": 0, "reason": "all workers finished"}, facts["exit"]
+    return facts["replan_points"]
 
 
-def replans(run):
-    """[(version, round, bytes moved, log time)] of the plans put in place."""
-    out = []
-    pattern = (r"(\d\d:\d\d:\d\d,\d+) mxps[a-z ]* INFO plan (\d+) in place \(round (\d+), "
-               r"(\d+) bytes moved\)")
-    for m in re.finditer(pattern, scheduler_log(run)):
-        h, mi, rest = m.group(1).split(":")
-        t = int(h) * 3600 + int(mi) * 60 + float(rest.replace(",", "."))
-        out.append((int(m.group(2)), int(m.group(3)), int(m.group(4)), t))
-    return out
+def new_plans(run):
+    return [p for p in replan_points(run) if p["new_plan"]]
 
 
 CASES = [("%s-%dx%d-update_on_%s" % (opt, w, s, "servers" if uok else "workers"), w, s, opt, uok)
@@ -60,11 +55,12 @@ def test_forced_replan_every_step_ends_with_the_fixed_plan_weights(jobs, workers
     moving = jobs.train(train_env("mxps", optimizer=optimizer, update_on_kvstore=uok,
                                   steps=STEPS, **FORCED), workers, servers)
     assert load_meta(moving.out_dir, 0)["update_on_kvstore"] is uok
-    done = replans(moving)
+    done = new_plans(moving)
     # a new plan before every round but the first: rounds 2..STEPS
-    assert [r for _, r, _, _ in done] == list(range(2, STEPS + 1)), done
-    assert [v for v, _, _, _ in done] == list(range(1, STEPS))
-    assert all(moved > 0 for _, _, moved, _ in done), done
+    assert [p["round"] for p in done] == list(range(2, STEPS + 1)), done
+    assert [p["plan_version"] for p in done] == list(range(1, STEPS))
+    assert all(p["moved_bytes"] > 0 and p["kind"] == "full" for p in done), done
+    assert len(replan_points(moving)) == len(done), "a point without a new plan"
     want = assert_synchronised(fixed.out_dir, workers, kvstore_type="device")
     got = assert_synchronised(moving.out_dir, workers)
     assert_weights_close(got, want, rtol=RTOL, what="re-planned every step vs fixed plan")
@@ -79,7 +75,7 @@ def test_replan_waits_for_a_push_still_in_flight_and_loses_nothing(jobs):
     fixed = jobs.train(train_env("mxps", update_on_kvstore=True, steps=STEPS), 2, 2)
     moving = jobs.train(train_env("mxps", update_on_kvstore=True, steps=STEPS,
                                   JOB_WAITALL=0, JOB_DELAY="1:5:1.5", **FORCED), 2, 2)
-    done = {r: t for _, r, _, t in replans(moving)}
+    done = {p["round"]: p["at"] for p in new_plans(moving)}
     assert sorted(done) == list(range(2, STEPS + 1))
     assert done[7] - done[6] >= 1.4, done      # round 7's plan waited for the late push
     assert_weights_close(assert_synchronised(moving.out_dir, 2),
@@ -99,12 +95,16 @@ def test_light_points_between_forced_replans_change_nothing(jobs):
                                          MXPS_REPLAN_MIN_GAIN=1e9)), 2, 2)
     points = list(range(2, STEPS + 1))          # a point before every round but the first
     forced = points[2::3]                       # the 3rd, 6th, ... point
-    assert [r for _, r, _, _ in replans(moving)] == forced
-    log = scheduler_log(moving)
-    kinds = {int(r): k for r, k in re.findall(r"round (\d+): (full|light) point", log)}
-    assert sorted(kinds) == [r for r in points if r not in forced], kinds
+    got = replan_points(moving)
+    assert [p["round"] for p in got] == points, got
+    assert [p["round"] for p in got if p["new_plan"]] == forced, got
+    kinds = {p["round"]: p["kind"] for p in got if not p["new_plan"]}
     assert kinds[points[0]] == "full"
     assert all(k == "light" for r, k in kinds.items() if r != points[0]), kinds
+    # the answer at each point announces the next one's kind: full exactly before a forced one
+    assert [p["full_next"] for p in got[:-1]] == [r in forced for r in points[1:]], got
+    assert all(p["kind"] == ("full" if i == 0 or got[i - 1]["full_next"] else "light")
+               for i, p in enumerate(got)), got
     assert_weights_close(assert_synchronised(moving.out_dir, 2),
                          assert_synchronised(fixed.out_dir, 2, kvstore_type="device"),
                          rtol=RTOL, what="light points and a forced plan every third vs fixed")
