@@ -163,8 +163,13 @@ def test_nodes_missing_at_the_start_deadline_abort_the_job_naming_the_counts():
     assert job.tick(24.9).exit is None                  # 29.9 s after the scheduler started
     step = job.tick(0.1)
     assert step.exit.code == EXIT_LOST_PEER
-    assert step.exit.reason == ("mxps scheduler: only 1 of 2 servers and 1 of 2 workers "
-                                "registered within 30 s (MXPS_START_TIMEOUT)")
+    assert step.exit.reason.startswith("mxps scheduler: only 1 of 2 servers and 1 of 2 "
+                                       "workers registered within 30 s (MXPS_START_TIMEOUT): ")
+    # who is missing, by role and count, and who did register
+    assert "1 of 2 servers missing (DMLC_NUM_SERVER=2; registered: 127.0.0.1:0 pid 100)" \
+        in step.exit.reason
+    assert "1 of 2 workers missing (DMLC_NUM_WORKER=2; registered: 127.0.0.1:0 pid 101)" \
+        in step.exit.reason
     assert sorted(sent(step, MsgType.ABORT)) == [b"s0", b"w0"]
     # the facts name who did register (no ranks yet)
     assert step.facts["mode"] is None
@@ -518,3 +523,48 @@ def test_the_loop_aborts_the_job_when_mxps_job_info_cannot_be_written(tmp_path):
         server.close()
         worker.close()
         thread.join(10)
+
+
+# -- start-up liveness and malformed input ------------------------------------------------------
+
+def test_a_node_that_heartbeats_while_waiting_is_lost_during_start_up_within_the_timeout():
+    job = Job(make_cfg(start_timeout=300.0, heartbeat_timeout=10.0))
+    job.send(b"s0", MsgType.REGISTER, {"role": "server", "host": LOOPBACK, "port": 1, "pid": 7,
+                                      "mode": "sync", "start_heartbeats": True})
+    # it is answered while it waits, so it can tell a dead scheduler in time too
+    step = job.send(b"s0", MsgType.HEARTBEAT, after=1.0)
+    assert list(sent(step, MsgType.HEARTBEAT)) == [b"s0"]
+    job.register(b"w0", "worker")                       # an older node: not watched at start
+    assert job.tick(9.5).exit is None                   # s0 silent for 9.5 s
+    step = job.tick(1.0)
+    assert step.exit.code == EXIT_LOST_PEER
+    assert "lost server ? (127.0.0.1:1, pid 7) during start-up: no heartbeat for 10.5 s" \
+        in step.exit.reason
+    assert sorted(sent(step, MsgType.ABORT)) == [b"s0", b"w0"]
+
+
+@pytest.mark.parametrize("body", [b"", b"\xff\xfe", b"[]", b"null", b'{"role": "worker"}',
+                                  b'{"role": "worker", "host": 1, "port": "x", "pid": 2}',
+                                  b"[" * 100000])
+def test_a_malformed_register_is_dropped_and_the_job_still_starts(body):
+    job = Job(make_cfg(workers=1, servers=1))
+    step = job.state.on_message(b"junk", Header(MsgType.REGISTER), body, job.now)
+    assert step.exit is None and not step.sends
+    assert job.state.malformed == 1
+    job.register(b"s0", "server")
+    step = job.register(b"w0", "worker")
+    assert sorted(sent(step, MsgType.WELCOME)) == [b"s0", b"w0"]
+
+
+@pytest.mark.parametrize("type_,body", [(MsgType.BANDWIDTH, b"{}"),
+                                        (MsgType.BANDWIDTH, b'{"bytes": [1], "seconds": [0]}'),
+                                        (MsgType.REPLAN, b'{"round": "x"}'),
+                                        (MsgType.PLAN, b"7"), (MsgType.REPLAN, b"\x00")])
+def test_a_malformed_body_from_a_member_is_dropped_not_fatal(type_, body):
+    job = Job(make_cfg(workers=1, servers=1))
+    job.register(b"s0", "server")
+    job.register(b"w0", "worker")
+    step = job.state.on_message(b"w0", Header(type_), body, job.now)
+    assert step.exit is None and job.state.malformed == 1
+    step = job.send(b"w0", MsgType.FINISH)               # and the job still ends cleanly
+    assert step.exit.code == 0

@@ -66,7 +66,7 @@ class Step:
 
 class Node:
     __slots__ = ("ident", "role", "host", "port", "pid", "mode", "rank", "last_heard",
-                 "finished")
+                 "finished", "watched")
 
     def __init__(self, ident, role, host, port, pid, mode, now):
         self.ident = ident
@@ -78,13 +78,39 @@ class Node:
         self.rank = -1
         self.last_heard = now
         self.finished = False
+        self.watched = True
 
     def describe(self):
-        return "%s %d (%s:%s, pid %s)" % (self.role, self.rank, self.host, self.port, self.pid)
+        rank = self.rank if self.rank >= 0 else "?"
+        return "%s %s (%s:%s, pid %s)" % (self.role, rank, self.host, self.port, self.pid)
 
     def fact(self):
         return {"rank": self.rank if self.rank >= 0 else None, "host": self.host,
                 "port": self.port, "pid": self.pid}
+
+
+class MalformedBody(ValueError):
+    """A control message whose body is not what its type requires (dropped, never fatal)."""
+
+
+def _json(payload):
+    try:
+        return json.loads(payload)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise MalformedBody("not JSON: %s" % (e,)) from None
+
+
+def _register_info(payload):
+    """A REGISTER body: {role, host, port, pid, mode, start_heartbeats?}, checked."""
+    info = _json(payload)
+    if not isinstance(info, dict):
+        raise MalformedBody("REGISTER body is not an object")
+    ok = (isinstance(info.get("role"), str) and isinstance(info.get("host"), str)
+          and isinstance(info.get("port"), int) and isinstance(info.get("pid"), int)
+          and isinstance(info.get("mode"), (str, type(None))))
+    if not ok:
+        raise MalformedBody("REGISTER body lacks role/host/port/pid/mode of the right types")
+    return info
 
 
 def address_order(node):
@@ -118,6 +144,7 @@ class SchedulerState:
         self.pending_plan = None   # a plan the servers are moving state for
         self.points = []           # the job facts' "replan_points"
         self.exit = None
+        self.malformed = 0         # message bodies dropped as malformed
         self._now = now
         self._step = None
 
@@ -126,14 +153,24 @@ class SchedulerState:
         """One message from the node with zmq identity ``ident``; ``payload``: bytes or None."""
         self._begin(now)
         node = self.nodes.get(ident)
-        if self.exit is not None:
-            pass
-        elif header.type == MsgType.REGISTER and node is None:
-            self._on_register(ident, json.loads(payload))
-        elif node is not None:
-            node.last_heard = now
-            if self.started_at is not None:
-                self._on_message(node, header, payload)
+        try:
+            if self.exit is not None:
+                pass
+            elif header.type == MsgType.REGISTER and node is None:
+                self._on_register(ident, _register_info(payload))
+            elif node is not None:
+                node.last_heard = now
+                if self.started_at is not None:
+                    self._on_message(node, header, payload)
+                elif header.type == MsgType.HEARTBEAT:
+                    self._send(node, MsgType.HEARTBEAT)   # a node waiting for its WELCOME
+        except MalformedBody as e:
+            # a node's own bug, or bytes that are not mxps's: dropped, never fatal
+            self.malformed += 1
+            if self.malformed <= 10 or self.malformed % 1000 == 0:
+                log.warning("dropped a malformed %s from %s (%d so far): %s",
+                            MsgType(header.type).name, node.describe() if node else ident,
+                            self.malformed, e)
         return self._end()
 
     def tick(self, now):
@@ -144,6 +181,8 @@ class SchedulerState:
         elif self.started_at is None:
             if now >= self.start_deadline:
                 self._abort(self._start_timeout_message())
+            else:
+                self._check_heartbeats(starting=True)
         elif not self._check_plan_deadline():
             self._check_heartbeats()
         return self._end()
@@ -213,16 +252,32 @@ class SchedulerState:
                 self.want[role], role, role.upper())
             self._step.sends.append(Send(ident, Header(MsgType.ABORT), refusal.encode()))
             return
-        self.nodes[ident] = Node(ident, role, info["host"], info["port"], info["pid"],
-                                 info.get("mode"), self._now)
+        node = self.nodes[ident] = Node(ident, role, info["host"], info["port"], info["pid"],
+                                        info.get("mode"), self._now)
+        # a node that heartbeats while it waits for its WELCOME is watched from now on, so
+        # its death during start-up ends the job in MXPS_HEARTBEAT_TIMEOUT, not the start timeout
+        node.watched = bool(info.get("start_heartbeats"))
         if all(self._count(r) == k for r, k in self.want.items()):
             self._start()
 
     def _start_timeout_message(self):
+        """Names what is missing: per role, how many of how many registered, and who did (the
+        scheduler cannot know the address of a node that never reached it)."""
+        parts = []
+        for role in ROLES:
+            have = [n for n in self.nodes.values() if n.role == role]
+            missing = self.want[role] - len(have)
+            if not missing:
+                continue
+            parts.append("%d of %d %ss missing (DMLC_NUM_%s=%d; registered: %s)" % (
+                missing, self.want[role], role, role.upper(), self.want[role],
+                ", ".join("%s:%s pid %s" % (n.host, n.port, n.pid) for n in have) or "none"))
         return ("mxps scheduler: only %d of %d servers and %d of %d workers registered within "
-                "%.0f s (MXPS_START_TIMEOUT)" % (
+                "%.0f s (MXPS_START_TIMEOUT): %s. A missing node did not start, died before "
+                "registering, cannot reach %s:%d, or imported mxnet before mxps" % (
                     self._count("server"), self.want["server"], self._count("worker"),
-                    self.want["worker"], self.cfg.start_timeout))
+                    self.want["worker"], self.cfg.start_timeout, "; ".join(parts),
+                    self.cfg.root_uri, self.cfg.root_port))
 
     def _start(self):
         servers = sorted(self._servers(), key=address_order)
@@ -260,17 +315,37 @@ class SchedulerState:
             self.barrier_waiting.append(node)
             self._maybe_release_barrier()
         elif h.type == MsgType.BANDWIDTH:
-            self._on_bandwidth(node, json.loads(payload))
+            self._on_bandwidth(node, self._bandwidth_report(payload))
         elif h.type == MsgType.REPLAN:
-            self.replan_reports[node.rank] = json.loads(payload)
+            report = _json(payload)
+            if not isinstance(report, dict) or not isinstance(report.get("round"), int):
+                raise MalformedBody("REPLAN body lacks an integer round")
+            self.replan_reports[node.rank] = report
             self._maybe_replan()
         elif h.type == MsgType.PLAN:
-            self._on_plan_ack(node, json.loads(payload))
+            ack = _json(payload)
+            if not isinstance(ack, dict):
+                raise MalformedBody("PLAN body is not an object")
+            self._on_plan_ack(node, ack)
         elif h.type == MsgType.ABORT:
             reason = payload.decode() if payload is not None else "unknown error"
             self._abort("%s failed: %s" % (node.describe(), reason))
         elif h.type == MsgType.FINISH:
             self._on_finish(node)
+
+    def _bandwidth_report(self, payload):
+        report = _json(payload)
+        n = self.cfg.num_servers
+        try:
+            good = all(len(report[k]) == n and all(float(x) >= 0 for x in report[k])
+                       for k in ("bytes", "seconds")) and all(float(x) > 0
+                                                              for x in report["seconds"])
+        except (KeyError, TypeError, ValueError):
+            good = False
+        if not good:
+            raise MalformedBody("BANDWIDTH body needs 'bytes' and 'seconds' lists of %d "
+                                "numbers (seconds > 0)" % n)
+        return report
 
     def _maybe_release_barrier(self):
         if self.barrier_waiting and len(self.barrier_waiting) >= len(self._live_workers()):
@@ -307,13 +382,16 @@ class SchedulerState:
         self._maybe_release_barrier()
         self._maybe_replan()
 
-    def _check_heartbeats(self):
+    def _check_heartbeats(self, starting=False):
         for n in self.nodes.values():
+            if starting and not n.watched:
+                continue
             silent = self._now - n.last_heard
             if not n.finished and silent > self.cfg.heartbeat_timeout:
-                self._abort("lost %s: no heartbeat for %.1f s (MXPS_HEARTBEAT_TIMEOUT=%s); the "
-                            "process died or hangs" % (n.describe(), silent,
-                                                       self.cfg.heartbeat_timeout))
+                self._abort("lost %s%s: no heartbeat for %.1f s (MXPS_HEARTBEAT_TIMEOUT=%s); the "
+                            "process died or hangs" % (
+                                n.describe(), " during start-up" if starting else "", silent,
+                                self.cfg.heartbeat_timeout))
                 return
 
     # -- live re-planning --------------------------------------------------------------------
