@@ -1,4 +1,4 @@
-"""Slice accumulation: the compiled ``mxps._accum`` against its numpy twin ``mxps.accum_py``."""
+"""Slice accumulation: the compiled ``mxps.kernels._accum`` against its numpy twin ``mxps.kernels.accum_py``."""
 import sys
 import threading
 import time

@@ -1,4 +1,4 @@
-"""Placement (mxps/plan.py): MXNet 1.9.1's EncodeKey rule, slice checks, the Plan table.
+"""Placement (mxps/placement/plan.py): MXNet 1.9.1's EncodeKey rule, slice checks, the Plan table.
 
 The reference below is written from MXNet 1.9.1 src/kvstore/kvstore_dist.h (EncodeDefaultKey):
 

@@ -163,7 +163,7 @@ class ProportionalRule:
     So each server's load stays proportional to its rate within one small key (or, for a cut
     key, the parts of the servers whose slice would fall under ``min_slice``).  With
     ``max_chunk`` a server's part of a key is further cut into consecutive chunks of at most
-    that many elements (each chunk is its own slot on the server, see server.optimizer_index):
+    that many elements (each chunk is its own slot on the server, see roles.server_state.optimizer_index):
     the first chunk's pull then overlaps the later chunks' pushes.
     """
 
