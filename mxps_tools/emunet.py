@@ -13,7 +13,10 @@ Layers, bottom up:
   creating process (pid and start time), so leftovers of a crashed run can be told apart from a
   live run and removed.
 - ``Topology``: builds the namespaces, bridge, veths, addresses and shaping; runs processes in
-  the nodes; changes rates live; closes everything on exit, error, Ctrl-C, SIGTERM and atexit.
+  the nodes (optionally each with private files, ``binds``, as separate machines have), starts
+  services there and waits until they are ready (``start_service``), waits for what others
+  started in a node (``wait_node_idle``); changes rates live; closes everything on exit, error,
+  Ctrl-C, SIGTERM and atexit.
 - ``RateSchedule``: a background thread applying a list of timed rate changes.
 
 Example::
@@ -301,6 +304,68 @@ def _remove_file(path: str) -> None:
         pass
 
 
+# --------------------------------------------------------------------------- private files
+
+#: Runs in the process's own mount namespace: ``ip netns exec`` unshares one for every process
+#: it starts and makes every mount in it a slave of the root namespace's, so these bind mounts
+#: are seen by that process and its children only, never outside, and vanish with them.
+_BIND_SCRIPT = ('while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 125; shift 2; done; '
+                'shift; exec "$@"')
+
+
+def _bind_prefix(binds: Mapping[str, str]) -> List[str]:
+    """argv prefix that bind-mounts each source over its target, then execs the command.
+
+    Raises:
+        EmunetError: a path is relative or missing, a file is bound over a directory (or the
+            reverse), or ``mount`` is not on PATH.
+    """
+    if not binds:
+        return []
+    if shutil.which('mount') is None:
+        raise EmunetError('`mount` not found on PATH, needed to bind private files into a node; '
+                          'install util-linux')
+    pairs = []
+    for target, source in binds.items():
+        for what, path in (('target', target), ('source', source)):
+            if not os.path.isabs(path) or not os.path.exists(path):
+                raise EmunetError(f'bind {what} {path!r} must be an existing absolute path')
+        if os.path.isdir(target) != os.path.isdir(source):
+            raise EmunetError(f'bind source {source!r} and target {target!r} must both be '
+                              f'directories or both files')
+        pairs += [str(source), str(target)]
+    return ['sh', '-c', _BIND_SCRIPT, 'emunet-bind'] + pairs + ['--']
+
+
+class _LineWatch:
+    """Copies a stream to a log file line by line (a thread, until EOF); ``wake`` is set at
+    the first line matching ``pattern`` (then ``matched`` is True) or at EOF, so a waiter also
+    learns of an early exit at once."""
+
+    def __init__(self, stream, log_path: str, pattern: 're.Pattern') -> None:
+        self.matched = False
+        self.wake = threading.Event()
+        log = open(log_path, 'ab')          # here, so a bad path fails in the caller
+        self._thread = threading.Thread(target=self._copy, args=(stream, log, pattern),
+                                        name='emunet-log', daemon=True)
+        self._thread.start()
+
+    def _copy(self, stream, log, pattern: 're.Pattern') -> None:
+        try:
+            with stream, log:
+                for raw in iter(stream.readline, b''):
+                    log.write(raw)
+                    log.flush()
+                    if not self.matched and pattern.search(raw.decode(errors='replace')):
+                        self.matched = True
+                        self.wake.set()
+        finally:
+            self.wake.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
 # --------------------------------------------------------------------------- shaping
 
 
@@ -472,9 +537,17 @@ class Topology:
     def _bridge_port(self, node: str) -> str:
         return f'p{self._nodes.index(node)}'
 
-    def wrap(self, node: str, argv: Sequence[str]) -> List[str]:
-        """``argv`` prefixed so that it runs inside ``node``'s namespace."""
-        return ['ip', 'netns', 'exec', self.netns(node)] + [str(a) for a in argv]
+    def wrap(self, node: str, argv: Sequence[str],
+             binds: Optional[Mapping[str, str]] = None) -> List[str]:
+        """``argv`` prefixed so that it runs inside ``node``'s namespace.
+
+        ``binds`` (``{path seen in the node: path on this machine}``) gives the process, and
+        every process it starts, a private view of those paths, as if the node were a machine
+        with files of its own (e.g. a secret file at the same path on every host, whose content
+        differs on one). See ``_bind_prefix``.
+        """
+        return (['ip', 'netns', 'exec', self.netns(node)] + _bind_prefix(binds or {})
+                + [str(a) for a in argv])
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -610,10 +683,12 @@ class Topology:
 
         ``kwargs`` go to ``subprocess.Popen``; ``start_new_session`` defaults to True so a
         Ctrl-C at the terminal reaches only this process, which then tears the network down.
+        ``binds=`` ({path in the node: path on this machine}) is taken first (see ``wrap``).
         """
         self._check_open()
+        binds = kwargs.pop('binds', None)
         kwargs.setdefault('start_new_session', True)
-        proc = subprocess.Popen(self.wrap(node, argv), **kwargs)
+        proc = subprocess.Popen(self.wrap(node, argv, binds=binds), **kwargs)
         with self._lock:
             self._procs.append(proc)
         return proc
@@ -622,6 +697,67 @@ class Topology:
     def processes(self) -> List[subprocess.Popen]:
         """Processes started with ``popen`` (running or not)."""
         return list(self._procs)
+
+    def start_service(self, node: str, argv: Sequence[str], ready: str, log_path: str,
+                      timeout: float = 30.0, binds: Optional[Mapping[str, str]] = None,
+                      **kwargs) -> subprocess.Popen:
+        """Start a long-running server (e.g. an sshd) in ``node`` and wait until it is ready.
+
+        Its stdout and stderr go, line by line, to ``log_path`` (a thread copies them: a pipe
+        nobody reads would block the server once full); it is ready when a line matches the
+        regular expression ``ready`` (e.g. sshd's "Server listening on"). Like ``popen``'s
+        processes it is stopped on close. ``kwargs`` go to ``subprocess.Popen``.
+
+        Raises:
+            EmunetError: the server exited or printed no ready line within ``timeout``
+                seconds; it is stopped and the message quotes the end of its log.
+        """
+        self._check_open()
+        proc = self.popen(node, argv, binds=binds, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+        try:
+            watch = _LineWatch(proc.stdout, log_path, re.compile(ready))
+        except BaseException:
+            _kill_pids([proc.pid], self._kill_grace)
+            raise
+        woke = watch.wake.wait(timeout)
+        if woke and watch.matched and proc.poll() is None:
+            return proc
+        if woke and not watch.matched:      # its output closed: it is exiting
+            try:
+                proc.wait(self._kill_grace)
+            except subprocess.TimeoutExpired:
+                pass
+        rc = proc.poll()
+        if rc is None:
+            why = f'printed no line matching {ready!r} within {timeout:.0f} s'
+        else:
+            why = f'exited with code {rc} ' + ('right after its ready line' if watch.matched
+                                                else 'before it was ready')
+        _kill_pids([proc.pid], self._kill_grace)
+        proc.wait()
+        watch.join(self._kill_grace)
+        with open(log_path, errors='replace') as f:
+            tail = f.read()[-2000:]
+        raise EmunetError(f'service {" ".join(map(str, argv))!r} in node {node!r} {why}; '
+                          f'its log ({log_path}) ends with:\n{tail or "(nothing)"}')
+
+    def node_pids(self, node: str) -> List[int]:
+        """PIDs of every process now running in ``node``'s namespace (whoever started it)."""
+        self._check_open()
+        return _netns_pids(self.netns(node))
+
+    def wait_node_idle(self, node: str, timeout: float, keep: Iterable[int] = ()) -> List[int]:
+        """Wait until every process now in ``node``, other than ``keep``, has exited.
+
+        For processes the caller did not start itself and so cannot ``wait()`` for, e.g. the
+        ssh clients a launcher leaves behind when it exits. Woken by each exit (pidfds).
+
+        Returns:
+            PIDs still running after ``timeout`` seconds (empty: the node is idle).
+        """
+        keep = set(keep)
+        return _wait_exits([p for p in self.node_pids(node) if p not in keep], timeout)
 
     # ----------------------------------------------------------------- shaping
 
