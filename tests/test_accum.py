@@ -12,7 +12,7 @@ from mxps.kernels import _accum, accum_py
 from mxps.wire.frame import dtype_code
 
 IMPLS = [pytest.param(_accum, id="cython"), pytest.param(accum_py, id="python")]
-DTYPES = ["float32", "float64", "int32", "int64"]
+DTYPES = ["float32", "float64", "float16", "uint8", "int32", "int8", "int64"]
 SIZES = [0, 1, 2, 3, 7, 17, 1023, 4097, 65537, 10 ** 6]
 
 
@@ -126,7 +126,7 @@ def test_length_mismatch_raises_value_error(impl, fn, n_acc, n_src):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("code", [2, 3, 5, 7, 99, -1, 255])
+@pytest.mark.parametrize("code", [7, 99, -1, 255])
 def test_unsupported_dtype_raises_value_error_naming_the_code(impl, code):
     acc, src = np.zeros(8, np.float64), np.ones(8, np.float64)
     with pytest.raises(ValueError, match="unsupported dtype code %d" % code):

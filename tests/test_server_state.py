@@ -13,12 +13,14 @@ import pickle
 
 import mxnet as mx
 import numpy as np
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
 
 from mxps.placement.plan import Slice, table_to_json
 from mxps.roles.server_state import Out, ServerState, optimizer_index
+from mxps.wire import typed
 from mxps.wire.frame import NO_DTYPE, Header, MsgType, dtype_code
 
 F32 = dtype_code(np.float32)
@@ -73,7 +75,8 @@ def new_server(workers=2, rank=0, sync=True, optimizer=None, keys=None):
     """A server with ``keys`` ({key: initial value}, whole keys) and an optimizer, if any."""
     s = ServerState(rank, workers, sync)
     if optimizer is not None:
-        only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER), optimizer), MsgType.ACK)
+        only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER, sender=0), optimizer),
+             MsgType.ACK)
     for key, value in (keys or {}).items():
         only(send(s, MsgType.INIT, key, value=value), MsgType.ACK)
     return s
@@ -211,6 +214,190 @@ def test_a_failing_optimizer_is_reported_to_the_worker_and_the_server_keeps_serv
     msg = error_text(send(s, MsgType.PUSH, 4, it=1, value=[1, 1]))
     assert msg == "server 0 failed on PUSH: ZeroDivisionError: division by zero"
     only(send(s, MsgType.PROBE, 0), MsgType.DATA)
+
+
+# --- keys are initialised once, by worker 0 ------------------------------------------------------
+
+def test_a_second_init_of_a_key_is_refused_and_keeps_its_value_and_rounds():
+    s = new_server(workers=1, keys={4: [1, 2]})
+    send(s, MsgType.PUSH, 4, it=1, value=[5, 5])
+    msg = error_text(send(s, MsgType.INIT, 4, value=[0, 0]))
+    assert msg == ("key 4 is already initialised on server 0 (elements [0, 2)): a key is "
+                   "initialised once, and a second init would reset its value and rounds; "
+                   "push to change it, or init a new key")
+    assert s.slots[(4, 0)].applied == 1
+    np.testing.assert_array_equal(value_of(only(send(s, MsgType.PULL, 4, it=1, length=2))),
+                                  [5, 5])
+
+
+def test_an_init_overlapping_a_held_slice_is_refused_but_further_chunks_of_a_key_are_not():
+    s = new_server(workers=1)
+    only(send(s, MsgType.INIT, 4, offset=0, value=[1, 2, 3]), MsgType.ACK)
+    only(send(s, MsgType.INIT, 4, offset=3, value=[4, 5]), MsgType.ACK)     # the next chunk
+    msg = error_text(send(s, MsgType.INIT, 4, offset=2, value=[9, 9]))
+    assert msg.startswith("key 4 is already initialised on server 0 (elements [0, 3))")
+    assert sorted(s.slots) == [(4, 0), (4, 3)]
+
+
+def test_an_init_from_another_worker_than_0_is_refused():
+    s = new_server()
+    assert error_text(send(s, MsgType.INIT, 4, w=1, value=[1])) == \
+        "INIT of key 4 from worker 1 refused: worker 0 initialises the keys"
+    assert s.slots == {}
+
+
+def test_with_the_optimizer_on_the_server_integer_keys_are_refused_naming_key_and_dtype():
+    s = new_server(optimizer=sgd())
+    h = Header(MsgType.INIT, key=6, sender=0, length=2, dtype=dtype_code(np.int32))
+    assert error_text(s.on_request(worker(0), h, np.zeros(2, np.int32))) == \
+        "key 6 has dtype int32: the optimizer on the servers updates floating-point keys only"
+    t = new_server()
+    h = Header(MsgType.INIT, key=6, sender=0, length=2, dtype=dtype_code(np.uint8))
+    only(t.on_request(worker(0), h, np.zeros(2, np.uint8)), MsgType.ACK)
+    msg = error_text(t.on_request(worker(0), Header(MsgType.SET_OPTIMIZER, sender=0), sgd()))
+    assert msg == "key 6 has dtype uint8: the optimizer on the servers updates floating-point " \
+        "keys only"
+    assert t.updater is None and t.optimizer is None
+
+
+# --- every dtype MXNet's kvstore carries --------------------------------------------------------
+
+def typed_round(s, key, grads, dtype, it=1):
+    """Each worker pushes its gradient of ``dtype`` for round ``it``; the pulled value."""
+    code = dtype_code(dtype)
+    n = len(grads[0])
+    for w, g in enumerate(grads):
+        h = Header(MsgType.PUSH, key=key, sender=w, iteration=it, length=n, dtype=code)
+        only(s.on_request(worker(w), h, np.asarray(g, dtype)), MsgType.ACK)
+    out = only(s.on_request(worker(0), Header(MsgType.PULL, key=key, sender=0, iteration=it,
+                                              length=n), None))
+    return np.frombuffer(out.payload, dtype)
+
+
+def typed_server(dtype, value, workers=2, optimizer=None):
+    s = ServerState(0, workers, sync=True)
+    if optimizer is not None:
+        only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER, sender=0),
+                          pickle.dumps(optimizer)), MsgType.ACK)
+    h = Header(MsgType.INIT, key=3, sender=0, length=len(value), dtype=dtype_code(dtype))
+    only(s.on_request(worker(0), h, np.asarray(value, dtype)), MsgType.ACK)
+    return s
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "uint8", "int32", "int8",
+                                   "int64"])
+def test_a_round_sums_every_wire_dtype_as_mxnet_does_wrapping_integers(dtype):
+    rng = np.random.default_rng(7)
+    if np.dtype(dtype).kind == "f":
+        grads = [rng.standard_normal(64).astype(dtype) * 100 for _ in range(2)]
+    else:
+        info = np.iinfo(dtype)
+        grads = [rng.integers(info.min, info.max, 64, dtype=dtype, endpoint=True)
+                 for _ in range(2)]
+    s = typed_server(dtype, np.zeros(64, dtype))
+    got = typed_round(s, 3, grads, dtype)
+    # MXNet's own sum of the two pushes (its local kvstore: the reduce a dist server does)
+    kv = mx.kv.create("local")
+    kv.init(3, mx.nd.zeros((64,), dtype=dtype))
+    kv.push(3, [mx.nd.array(g, dtype=dtype) for g in grads])
+    want = mx.nd.zeros((64,), dtype=dtype)
+    kv.pull(3, out=want)
+    assert got.dtype == np.dtype(dtype)
+    assert got.tobytes() == want.asnumpy().tobytes()
+
+
+def test_float16_halves_are_summed_bit_for_bit_as_mxnet_adds_them():
+    # every rounding case: random bit patterns (finite), and pairs one ulp apart (ties)
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 1 << 16, 4096, dtype=np.uint16).view(np.float16)
+    b = rng.integers(0, 1 << 16, 4096, dtype=np.uint16).view(np.float16)
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b = a[ok], b[ok]
+    s = typed_server("float16", np.zeros(a.size, np.float16))
+    got = typed_round(s, 3, [a, b], np.float16)
+    want = (mx.nd.array(a, dtype="float16") + mx.nd.array(b, dtype="float16")).asnumpy()
+    assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()
+
+
+@pytest.mark.parametrize("multi_precision", [False, True])
+def test_float16_with_the_optimizer_on_the_server_is_mxnets_update_of_the_sum(multi_precision):
+    opt = dict(learning_rate=0.5, momentum=0.9, multi_precision=multi_precision)
+    value = np.linspace(-1, 1, 16).astype(np.float16)
+    s = typed_server("float16", value, optimizer=mx.optimizer.SGD(**opt))
+    updater = mx.optimizer.get_updater(mx.optimizer.SGD(**opt))
+    weight = mx.nd.array(value, dtype="float16")
+    rng = np.random.default_rng(5)
+    for it in (1, 2, 3):
+        grads = [rng.standard_normal(16).astype(np.float16) for _ in range(2)]
+        got = typed_round(s, 3, grads, np.float16, it=it)
+        updater(3, mx.nd.array(grads[0] + grads[1], dtype="float16"), weight)
+        assert got.tobytes() == weight.asnumpy().tobytes(), it
+
+
+# --- optimizer states as data (GET_STATES / SET_STATES) -------------------------------------
+
+def states_of(s):
+    (out,) = s.on_request(worker(1), Header(MsgType.GET_STATES, sender=1), None)
+    assert out.header.type == MsgType.DATA, out.payload
+    return typed.unpack(out.payload)
+
+
+def load_states(s, reply, w=0):
+    """What worker 0's load_optimizer_states sends: the states by (key, offset), the counts."""
+    body = typed.pack({"states": {(k, off): st for k, off, _, st in reply["states"]},
+                       "counts": reply["counts"], "num_update": reply["num_update"]})
+    return s.on_request(worker(w), Header(MsgType.SET_STATES, sender=w), body)
+
+
+def test_states_taken_from_one_server_and_loaded_into_another_continue_identically():
+    grads = [[np.full(8, 0.5), np.arange(8) * 0.25], [np.ones(8), -np.arange(8) * 0.5]]
+    a = new_server(optimizer=pickle.dumps(mx.optimizer.Adam(learning_rate=0.1)),
+                   keys={5: np.arange(8)})
+    for it, (g0, g1) in enumerate(grads, start=1):
+        send(a, MsgType.PUSH, 5, w=0, it=it, value=g0)
+        send(a, MsgType.PUSH, 5, w=1, it=it, value=g1)
+    reply = states_of(a)
+    assert reply["counts"] == {5: 2} and reply["num_update"] == 2
+    (key, offset, length, (mean, var)), = reply["states"]
+    assert (key, offset, length) == (5, 0, 8) and mean.dtype == np.float32
+    b = new_server(optimizer=pickle.dumps(mx.optimizer.Adam(learning_rate=0.1)),
+                   keys={5: a.slots[(5, 0)].store.snapshot})
+    only(load_states(b, reply), MsgType.ACK)
+    assert counts(b) == {5: 2} and b.updater.optimizer.num_update == 2
+    g0, g1 = np.linspace(-1, 1, 8), np.full(8, 0.125)
+    for s, it in ((a, 3), (b, 1)):
+        send(s, MsgType.PUSH, 5, w=0, it=it, value=g0)
+        send(s, MsgType.PUSH, 5, w=1, it=it, value=g1)
+    np.testing.assert_array_equal(b.slots[(5, 0)].store.snapshot,
+                                  a.slots[(5, 0)].store.snapshot)    # bias correction too
+
+
+@pytest.mark.parametrize("body,problem", [
+    ({"states": {(9, 0): None}, "counts": {}, "num_update": 0},
+     "SET_STATES: states for (9, 0), a slice server 0 does not hold"),
+    ({"states": {(5, 0): np.zeros(3, np.float32)}, "counts": {}, "num_update": 0},
+     "SET_STATES for key 5 at 0: an optimizer state is None, a float array of the slice's 8 "
+     "elements or a tuple of states, got a float32 array of shape (3,)"),
+    ({"states": {(5, 0): (np.zeros(8, np.int64),)}, "counts": {}, "num_update": 0},
+     "got a int64 array of shape (8,)"),
+    ({"states": {}, "counts": {5: -1}, "num_update": 0},
+     "SET_STATES: the update count of key 5 must be a non-negative integer, got -1"),
+    ({"states": {}, "counts": {}}, "SET_STATES: missing num_update"),
+    ({"states": {}, "counts": {}, "num_update": 0, "optimizer": 1},
+     "SET_STATES: unknown 'optimizer'"),
+    ({"states": [], "counts": {}, "num_update": 0}, "SET_STATES: states and counts are dicts"),
+])
+def test_set_states_that_do_not_fit_are_refused_and_change_nothing(body, problem):
+    s = new_server(workers=1, optimizer=pickle.dumps(mx.optimizer.Adam()),
+                   keys={5: np.arange(8)})
+    send(s, MsgType.PUSH, 5, it=1, value=np.ones(8))
+    before = [x.asnumpy() for x in s.updater.states[5]]
+    msg = error_text(s.on_request(worker(0), Header(MsgType.SET_STATES, sender=0),
+                                  typed.pack(body)))
+    assert problem in msg, msg
+    assert counts(s) == {5: 1}
+    for x, y in zip(s.updater.states[5], before):
+        np.testing.assert_array_equal(x.asnumpy(), y)
 
 
 # --- moving slices between servers (a re-plan) ------------------------------------------------
@@ -390,7 +577,7 @@ class Cluster(RuleBasedStateMachine):
         self.pending = {}          # (worker, key) -> {request id: (round, server, offset)}
         for s in self.servers:
             if self.MOMENTUM is not None:
-                only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER),
+                only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER, sender=0),
                                   sgd(self.MOMENTUM)), MsgType.ACK)
         for k, slices in self.table.items():
             for x in slices:

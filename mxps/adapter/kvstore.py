@@ -7,6 +7,13 @@ slices to the I/O thread and returns; the engine sees the output written only wh
 slice's reply has been copied in.  A tiny per-key "sequence" array is written by every operation
 of a key, so operations on one key run in the order they were issued (push then pull sees the
 push), while different keys proceed concurrently.
+
+Inputs are refused here, before anything is sent, where they cannot work: arrays off the CPU
+(mxps moves host memory), dtypes the wire does not carry, integer keys with the optimizer on the
+servers (MXNet's update operators are floating point only), and a second init of a key (MXNet's
+local kvstore refuses it too; on the servers it would reset the key's value and rounds).
+Optimizer states travel as typed payloads (``mxps.wire.typed``); the optimizer object itself
+is pickled to the servers as MXNet does, by worker 0 only.
 """
 import atexit
 import copy
@@ -26,7 +33,7 @@ from ..placement import plan as plan_mod
 from ..placement.metrics import StepMetrics
 from ..placement.plan import Plan, ProportionalRule, mxnet_default_rule
 from ..roles.worker import Client
-from ..wire import frame as wire
+from ..wire import frame as wire, typed
 from ..wire.frame import Header, MsgType
 from .ndview import cut_state, handle_value, numpy_view
 
@@ -98,6 +105,26 @@ def _install_exit_hooks(client):
 
 
 # ---------------------------------------------------------------------------------------------
+HOST_DEVICES = ("cpu", "cpu_pinned", "cpu_shared")     # contexts whose memory mxps can read
+
+
+def check_context(name, what, array):
+    """``array`` (an NDArray) must live in host memory: mxps reads and writes it in place."""
+    ctx = array.context
+    if ctx.device_type not in HOST_DEVICES:
+        raise ValueError("mxps: %s of key %r: the array is on %s, but mxps moves CPU arrays only: "
+                         "copy it first (array.as_in_context(mx.cpu()))" % (what, name, ctx))
+
+
+def check_floating(name, dtype, why):
+    """With the optimizer on the servers every key must be floating point."""
+    if np.dtype(dtype).kind != "f":
+        raise ValueError("mxps: %s: key %r has dtype %s, but the optimizer on the servers "
+                         "updates floating-point keys only (MXNet's update operators refuse "
+                         "integers): keep it off the kvstore or use update_on_kvstore=False"
+                         % (why, name, np.dtype(dtype)))
+
+
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
@@ -238,6 +265,7 @@ class MXPS(KVStoreBase):
             if a.stype != "default":
                 raise TypeError("mxps: %s of key %r: sparse storage (%s) is not supported"
                                 % (what, k.name, a.stype))
+            check_context(k.name, what, a)
             if tuple(a.shape) != k.shape:
                 raise ValueError("mxps: %s of key %r: shape %s differs from the shape %s it was "
                                  "initialised with" % (what, k.name, tuple(a.shape), k.shape))
@@ -247,19 +275,20 @@ class MXPS(KVStoreBase):
 
     # -- init / broadcast --------------------------------------------------------------------
     def init(self, key, value):
-        """Initialise keys from rank 0's values (every worker calls it; a barrier follows)."""
-        for name, vals in _group(key, value):
+        """Initialise keys from rank 0's values (every worker calls it; a barrier follows).
+        Every key is checked before any is sent; a key is initialised once."""
+        groups = _group(key, value)
+        names = [n for n, _ in groups]
+        for name, vals in groups:
+            self._check_init(name, vals, names)
+        keys = []
+        for name, vals in groups:
             v = vals[0]
-            if not isinstance(v, mx.nd.NDArray):
-                raise TypeError("mxps: init of key %r: expected NDArray, got %s"
-                                % (name, type(v).__name__))
-            old = self._keys.get(name)
-            id_ = old.id if old is not None else self._key_id(name)
+            id_ = self._key_id(name)
             size = int(np.prod(v.shape)) if v.shape else 1
-            try:
-                k = _Key(name, id_, v.shape, v.dtype, self._plan.slices(id_, size))
-            except wire.WireError as e:
-                raise TypeError("mxps: init of key %r: %s" % (name, e)) from None
+            keys.append((_Key(name, id_, v.shape, v.dtype, self._plan.slices(id_, size)), v))
+        for k, v in keys:
+            name = k.name
             self._keys[name] = k
             if self.rank == 0:
                 flat = v.asnumpy().reshape(-1)
@@ -269,6 +298,24 @@ class MXPS(KVStoreBase):
                         offset=s.offset, length=s.length, dtype=k.code),
                         flat[s.offset:s.stop], what="init of key %r" % (name,))
         self._client.barrier()
+
+    def _check_init(self, name, vals, names):
+        for v in vals:
+            if not isinstance(v, mx.nd.NDArray):
+                raise TypeError("mxps: init of key %r: expected NDArray, got %s"
+                                % (name, type(v).__name__))
+            check_context(name, "init", v)
+        try:
+            wire.dtype_code(vals[0].dtype)
+        except wire.WireError as e:
+            raise TypeError("mxps: init of key %r: %s" % (name, e)) from None
+        if name in self._keys or names.count(name) > 1:
+            raise ValueError("mxps: init of key %r: the key is already initialised; a key is "
+                             "initialised once (as in MXNet's kvstores: a second init would "
+                             "reset its value and rounds on the servers): push to change its "
+                             "value, or init a new key" % (name,))
+        if self._optimizer is not None:
+            check_floating(name, vals[0].dtype, "init")
 
     def broadcast(self, key, value, out, priority=0):
         """Initialise from rank 0 and pull the value into ``out`` on every worker."""
@@ -431,6 +478,8 @@ class MXPS(KVStoreBase):
     # -- optimizer on the servers ------------------------------------------------------------
     def set_optimizer(self, optimizer):
         """Run ``optimizer`` on the servers (rank 0 sends it; every worker waits for it)."""
+        for k in self._keys.values():
+            check_floating(k.name, k.dtype, "set_optimizer")
         self._optimizer = optimizer
         self._updater = mx.optimizer.get_updater(optimizer)
         if self.rank == 0:
@@ -459,29 +508,28 @@ class MXPS(KVStoreBase):
                                "use update_on_kvstore=True)")
         mx.nd.waitall()
         parts = {}
-        optimizer = None
         counts = {}
+        num_update = 0
+        by_id = {k.id: k for k in self._keys.values()}
         for s in range(self._client.num_servers):
             _, payload = self._client.call(s, Header(MsgType.GET_STATES), what="save states")
-            blob = pickle.loads(payload.bytes)
-            if optimizer is None:
-                optimizer = blob["optimizer"]
-            for key, off, length, state in blob["states"]:
+            reply = read_states_reply(s, payload, by_id)
+            for key, off, _, state in reply["states"]:
                 parts.setdefault(key, []).append((off, state))
-            counts.update(blob["counts"])
-        by_id = {k.id: k for k in self._keys.values()}
+            counts.update(reply["counts"])
+            num_update = max(num_update, reply["num_update"])
         states = {}
         for key, pieces in parts.items():
             pieces.sort(key=lambda p: p[0])
             states[key] = _join_states([p[1] for p in pieces], by_id[key].shape)
-        if optimizer is not None:
-            for table in (optimizer.lr_mult, optimizer.wd_mult, optimizer.idx2name):
-                for i in [i for i in table if isinstance(i, int) and i >= 1 << 32]:
-                    del table[i]               # the indices of further slices (server.py)
-            # the dict MXNet's Updater uses is device 0's (see server._counts)
-            optimizer._index_update_count = dict(counts)
-            optimizer._all_index_update_counts = {0: optimizer._index_update_count}
-            optimizer.num_update = max(counts.values(), default=optimizer.num_update)
+        # the servers send numbers, not their optimizer: the file gets this worker's optimizer
+        # (as sent to the servers) with the servers' update counts
+        optimizer = self._server_copy(self._optimizer)
+        optimizer.idx2name = dict(optimizer.idx2name)
+        # the dict MXNet's Updater uses is device 0's (see roles.server_state._counts)
+        optimizer._index_update_count = dict(counts)
+        optimizer._all_index_update_counts = {0: optimizer._index_update_count}
+        optimizer.num_update = max(counts.values(), default=num_update)
         data = pickle.dumps((states, optimizer) if dump_optimizer else states)
         with open(fname, "wb") as f:
             f.write(data)
@@ -491,7 +539,7 @@ class MXPS(KVStoreBase):
         if self._optimizer is None:
             raise RuntimeError("mxps: no optimizer on the servers to load states into")
         with open(fname, "rb") as f:
-            data = f.read()
+            data = f.read()          # this worker's own file: MXNet's Updater format (pickle)
         updater = mx.optimizer.get_updater(self._optimizer)
         updater.set_states(data)
         self._updater = updater
@@ -506,10 +554,17 @@ class MXPS(KVStoreBase):
                                     "does not hold" % (key,))
                 for s in k.slices:
                     per_server[s.server][(key, s.offset)] = cut_state(state, s.offset, s.stop)
-            opt = self._server_copy(updater.optimizer)
+            # the file's optimizer (hyperparameters) goes as MXNet's pickle, the one pickle on
+            # the wire; the states, update counts and update number as data
+            opt = updater.optimizer
+            body = pickle.dumps(self._server_copy(opt))
+            counts = {i: int(c) for i, c in opt._index_update_count.items()
+                      if isinstance(i, int) and i >= 0}
             for s, states in enumerate(per_server):
-                body = pickle.dumps({"states": states, "optimizer": opt})
-                self._client.call(s, Header(MsgType.SET_STATES), body, what="load states")
+                self._client.call(s, Header(MsgType.SET_OPTIMIZER), body, what="load states")
+                self._client.call(s, Header(MsgType.SET_STATES), typed.pack(
+                    {"states": states, "counts": counts, "num_update": int(opt.num_update)}),
+                    what="load states")
         self._client.barrier()
 
     # -- misc --------------------------------------------------------------------------------
@@ -522,6 +577,43 @@ class MXPS(KVStoreBase):
 
     def _send_command_to_servers(self, head, body):
         raise NotImplementedError("mxps: server commands are not supported")
+
+
+def read_states_reply(server, payload, by_id):
+    """Server ``server``'s GET_STATES reply, checked: ``{"states": [[key, offset, length,
+    state], ...], "counts": {key: count}, "num_update": n}`` for keys this worker holds."""
+    try:
+        reply = typed.unpack(payload)
+    except wire.WireError as e:
+        raise RuntimeError("mxps: server %d's optimizer states cannot be read: %s"
+                           % (server, e)) from None
+
+    def bad(why):
+        return RuntimeError("mxps: server %d's optimizer states: %s" % (server, why))
+
+    if not isinstance(reply, dict) or set(reply) != {"counts", "num_update", "states"}:
+        raise bad("not {states, counts, num_update}")
+    if not isinstance(reply["states"], list) or not isinstance(reply["counts"], dict):
+        raise bad("states is not a list or counts not a dict")
+    for entry in reply["states"]:
+        if not (isinstance(entry, list) and len(entry) == 4 and
+                all(isinstance(x, int) for x in entry[:3]) and entry[0] in by_id):
+            raise bad("an entry is not [key held by this worker, offset, length, state]")
+        if not _state_of(entry[3], entry[2]):
+            raise bad("the state of key %d at %d is not arrays of its %d elements"
+                      % tuple(entry[:3]))
+    if not all(isinstance(x, int) for kv in reply["counts"].items() for x in kv) or \
+            not isinstance(reply["num_update"], int):
+        raise bad("update counts are not integers")
+    return reply
+
+
+def _state_of(state, length):
+    if state is None:
+        return True
+    if isinstance(state, (tuple, list)):
+        return all(_state_of(x, length) for x in state)
+    return isinstance(state, np.ndarray) and state.dtype.kind == "f" and state.size == length
 
 
 def _join_states(pieces, shape):

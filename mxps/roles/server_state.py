@@ -16,10 +16,21 @@ already in round r+1) waits in its own accumulator instead of corrupting round r
 gets the key's own index, so Adam's per-index update counts and lr/wd multipliers behave as in
 MXNet.  A bad request gets an ERROR reply naming the key and the cause; the server keeps serving.
 Live re-planning (moving slices between servers) is described in docs/REPLAN.md.
+
+Trust: ``header.sender`` is the authenticated rank of the connection a request came on (the
+loop overwrites whatever the header claimed), so the rules below can rely on it.  Data never
+travels as pickle: migration parts and optimizer states are typed payloads
+(``mxps.wire.typed``: a JSON description plus raw arrays, checked before use).  The one pickle
+left is MXNet's optimizer object (only pickling carries it, as in MXNet's own servers): it is
+read only from worker 0, by an unpickler that resolves nothing but optimizer and learning-rate
+scheduler classes (``_read_optimizer``), and installed only once it is an
+``mxnet.optimizer.Optimizer``.  Keys are initialised once, by worker 0.
 """
+import io
 import json
 import logging
 import pickle
+import sys
 
 import mxnet as mx
 import numpy as np
@@ -28,7 +39,7 @@ from ..adapter.ndview import cut_state
 from ..kernels.accum import add_into, copy_into
 from ..placement import plan
 from ..store.memory import MemorySlice
-from ..wire import frame as wire
+from ..wire import frame as wire, typed
 from ..wire.frame import MsgType
 
 log = logging.getLogger("mxps.server")
@@ -59,7 +70,95 @@ class Out:
 
 def _bytes(payload):
     """The bytes of a payload: a zmq frame from the loop, or plain bytes."""
+    if payload is None:
+        raise wire.WireError("the message has no payload")
     return payload.bytes if hasattr(payload, "bytes") else bytes(payload)
+
+
+class _OptimizerUnpickler(pickle.Unpickler):
+    """Reads MXNet's pickled optimizer resolving only what an optimizer is made of: the
+    ``Optimizer`` and ``LRScheduler`` classes of modules this server has imported (MXNet's
+    own, or a custom one's module imported before mxps), plain builtins and numpy's scalar
+    reconstructors.  Any other global (``os.system``, ``builtins.eval``, ``subprocess.Popen``,
+    a module to import) is refused before anything can call it: even worker 0's bytes run no
+    code beyond an optimizer's own ``__init__``/``__setstate__``."""
+
+    _PLAIN = {("builtins", n) for n in ("object", "set", "frozenset", "complex", "slice",
+                                         "bytearray")} | {
+        ("copyreg", "_reconstructor"), ("collections", "OrderedDict"), ("numpy", "dtype"),
+        ("numpy", "ndarray"), ("numpy.core.multiarray", "scalar"),
+        ("numpy.core.multiarray", "_reconstruct")}
+
+    def find_class(self, module, name):
+        if (module, name) in self._PLAIN:
+            return super().find_class(module, name)
+        obj = sys.modules.get(module)
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type) and issubclass(obj, (mx.optimizer.Optimizer,
+                                                      mx.lr_scheduler.LRScheduler)):
+            return obj
+        raise pickle.UnpicklingError(
+            "%s.%s is not an optimizer or learning-rate scheduler class known to this server "
+            "(a custom optimizer's module must be imported before mxps)" % (module, name))
+
+
+def _read_optimizer(h, payload):
+    """The optimizer of a SET_OPTIMIZER request: only worker 0 may send one (refused unread
+    otherwise), and it must be an ``mxnet.optimizer.Optimizer``."""
+    if h.sender != 0:
+        raise RequestError("SET_OPTIMIZER from worker %d refused unread: only worker 0 sets "
+                           "the optimizer" % h.sender)
+    data = _bytes(payload)
+    try:
+        optimizer = _OptimizerUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise RequestError("SET_OPTIMIZER from worker 0: the optimizer cannot be read (%s: %s); "
+                           "nothing installed" % (type(e).__name__, e)) from None
+    if not isinstance(optimizer, mx.optimizer.Optimizer):
+        raise RequestError("SET_OPTIMIZER from worker 0 carries a %s, not an "
+                           "mxnet.optimizer.Optimizer; nothing installed"
+                           % type(optimizer).__name__)
+    return optimizer
+
+
+# -- checking typed payloads (they come from authenticated peers, but are checked anyway) -------
+
+def _fields(value, what, required, optional=()):
+    """``value`` as a dict with the ``required`` string keys and maybe the ``optional`` ones."""
+    if not isinstance(value, dict):
+        raise RequestError("%s is a %s, not a dict" % (what, type(value).__name__))
+    missing = [f for f in required if f not in value]
+    unknown = [repr(f) for f in value if f not in required and f not in optional]
+    if missing or unknown:
+        raise RequestError("%s: %s" % (what, "; ".join(
+            x for x in ("missing %s" % ", ".join(missing) if missing else "",
+                        "unknown %s" % ", ".join(unknown) if unknown else "") if x)))
+    return value
+
+
+def _count(value, what):
+    """A non-negative integer field (a key, an offset, a round, an update count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError("%s must be a non-negative integer, got %r" % (what, value))
+    return value
+
+
+def _check_state(state, length, what):
+    """An optimizer state as it travels: None, a flat float array of the slice's ``length``
+    elements, or a tuple/list of states (Adam's mean and variance, multi-precision pairs)."""
+    if state is None:
+        return
+    if isinstance(state, (tuple, list)):
+        for x in state:
+            _check_state(x, length, what)
+        return
+    if not (isinstance(state, np.ndarray) and state.ndim == 1 and state.dtype.kind == "f"
+            and state.size == length):
+        desc = ("a %s array of shape %s" % (state.dtype, state.shape)
+                if isinstance(state, np.ndarray) else "a %s" % type(state).__name__)
+        raise RequestError("%s: an optimizer state is None, a float array of the slice's %d "
+                           "elements or a tuple of states, got %s" % (what, length, desc))
 
 
 def optimizer_index(key, offset):
@@ -132,6 +231,41 @@ def _counts(opt):
     if opt._all_index_update_counts.get(0) is not d:
         opt._all_index_update_counts[0] = d
     return d
+
+
+def _floating(key, dtype):
+    """With the optimizer on the servers a key must be floating point (MXNet's update
+    operators refuse integers: "This operation only support floating point types")."""
+    if np.dtype(dtype).kind != "f":
+        raise RequestError("key %d has dtype %s: the optimizer on the servers updates "
+                           "floating-point keys only" % (key, np.dtype(dtype)))
+
+
+_PART = ("key", "target", "offset", "length", "dtype", "value", "applied")
+
+
+def _read_part(h, payload):
+    """A MIGRATE part from a peer server (``ServerState._cut`` made it), checked field by field
+    against its header before the server uses any of it."""
+    what = "MIGRATE part of key %d" % h.key
+    part = _fields(typed.unpack(payload), what, _PART, ("state", "count"))
+    for f in ("key", "target", "offset", "length", "applied", "count"):
+        if f in part:
+            _count(part[f], "%s: %s" % (what, f))
+    if (part["key"], part["offset"], part["length"]) != (h.key, h.offset, h.length):
+        raise RequestError("%s: the part is key %d [%d, +%d), its header says [%d, +%d)"
+                           % (what, part["key"], part["offset"], part["length"], h.offset,
+                              h.length))
+    if part["target"] > part["offset"]:
+        raise RequestError("%s: a part at %d cannot belong to a slice starting at %d"
+                           % (what, part["offset"], part["target"]))
+    dt = wire.dtype_of(_count(part["dtype"], "%s: dtype" % what))
+    value = part["value"]
+    if not (isinstance(value, np.ndarray) and value.dtype == dt and value.ndim == 1
+            and value.size == part["length"]):
+        raise RequestError("%s: the value is not %d elements of %s" % (what, part["length"], dt))
+    _check_state(part.get("state"), part["length"], what)
+    return part
 
 
 def _join_state(parts):
@@ -260,7 +394,21 @@ class ServerState:
         return slot
 
     def _on_init(self, client, h, payload):
+        if h.sender != 0:
+            raise RequestError("INIT of key %d from worker %d refused: worker 0 initialises the "
+                               "keys" % (h.key, h.sender))
+        stop = h.offset + h.length
+        for (k, _), x in self.slots.items():
+            if k == h.key and x.offset < stop and h.offset < x.offset + x.length or \
+                    (k, x.offset) == (h.key, h.offset):
+                raise RequestError(
+                    "key %d is already initialised on server %d (elements [%d, %d)): a key is "
+                    "initialised once, and a second init would reset its value and rounds; "
+                    "push to change it, or init a new key"
+                    % (h.key, self.rank, x.offset, x.offset + x.length))
         arr = wire.payload_array(h, payload)
+        if self.updater is not None:
+            _floating(h.key, arr.dtype)
         slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype,
                                                      MemorySlice(arr.copy()))
         if self.updater is not None and slot.index != slot.key:
@@ -355,36 +503,67 @@ class ServerState:
 
     # -- optimizer ---------------------------------------------------------------------------
     def _on_set_optimizer(self, client, h, payload):
-        optimizer = pickle.loads(_bytes(payload))   # as MXNet's own server does (trusted peers)
+        optimizer = _read_optimizer(h, payload)
+        for slot in self.slots.values():
+            _floating(slot.key, wire.dtype_of(slot.dtype_code))
+        try:
+            _counts(optimizer)
+        except (AttributeError, TypeError) as e:
+            raise RequestError("SET_OPTIMIZER from worker 0: the %s is not usable (%s); nothing "
+                               "installed" % (type(optimizer).__name__, e)) from None
         self.optimizer = optimizer
         self.updater = mx.optimizer.get_updater(optimizer)
-        _counts(optimizer)
         self._aliased = set()
         self._reply(client, h, MsgType.ACK, length=0)
 
     def _on_get_states(self, client, h, payload):
+        """This server's optimizer states, update counts (by key) and update number, as data:
+        the worker writes them into MXNet's states file with its own optimizer object."""
         if self.updater is None:
             raise RequestError("no optimizer on server %d: optimizer states live on the "
                                "servers only with update_on_kvstore=True" % self.rank)
-        counts = _counts(self.updater.optimizer)
-        states = [(k, x.offset, x.length, _to_numpy(self.updater.states[x.index]))
+        opt = self.updater.optimizer
+        counts = _counts(opt)
+        states = [[k, x.offset, x.length, _to_numpy(self.updater.states[x.index])]
                   for (k, _), x in self.slots.items() if x.index in self.updater.states]
-        body = pickle.dumps({"states": states, "optimizer": self.updater.optimizer,
-                             "counts": {k: counts[x.index] for (k, _), x in self.slots.items()
-                                        if x.index in counts}})
+        body = typed.pack({"states": states, "num_update": int(opt.num_update),
+                           "counts": {k: counts[x.index] for (k, _), x in self.slots.items()
+                                      if x.index in counts}})
         self._reply(client, h, MsgType.DATA, body, dtype=wire.NO_DTYPE, length=0)
 
     def _on_set_states(self, client, h, payload):
+        """Optimizer states from a states file (worker 0, after it sent the file's optimizer
+        with SET_OPTIMIZER): ``{"states": {(key, offset): state}, "counts": {key: count},
+        "num_update": n}``, all checked before anything changes."""
+        if h.sender != 0:
+            raise RequestError("SET_STATES from worker %d refused unread: only worker 0 loads "
+                               "optimizer states" % h.sender)
         if self.updater is None:
             raise RequestError("no optimizer on server %d to load states into" % self.rank)
-        blob = pickle.loads(_bytes(payload))
-        for (k, offset), state in blob["states"].items():
-            i = optimizer_index(k, offset)
-            self.updater.states[i] = _to_nd(state)
-            self.updater.states_synced[i] = False
-        self.updater.optimizer = blob["optimizer"]
-        self.optimizer = blob["optimizer"]
-        _counts(self.optimizer)
+        blob = _fields(typed.unpack(payload), "SET_STATES", ("states", "counts", "num_update"))
+        states, counts = blob["states"], blob["counts"]
+        if not isinstance(states, dict) or not isinstance(counts, dict):
+            raise RequestError("SET_STATES: states and counts are dicts")
+        slots = []
+        for target, state in states.items():
+            slot = self.slots.get(target) if isinstance(target, tuple) else None
+            if slot is None:
+                raise RequestError("SET_STATES: states for %r, a slice server %d does not hold"
+                                   % (target, self.rank))
+            _check_state(state, slot.length, "SET_STATES for key %d at %d" % target)
+            slots.append((slot, state))
+        for k, c in counts.items():
+            _count(k, "SET_STATES: a key")
+            _count(c, "SET_STATES: the update count of key %s" % k)
+        num_update = _count(blob["num_update"], "SET_STATES: num_update")
+        for slot, state in slots:
+            self.updater.states[slot.index] = _to_nd(state)
+            self.updater.states_synced[slot.index] = False
+        opt = self.updater.optimizer
+        table = _counts(opt)
+        table.clear()
+        table.update(counts)
+        opt.num_update = num_update
         self._aliased = set()
         for slot in self.slots.values():
             if slot.index != slot.key:
@@ -488,10 +667,10 @@ class ServerState:
         h = wire.Header(MsgType.MIGRATE, key=part["key"], sender=self.rank,
                         plan_version=mig.version, offset=part["offset"],
                         length=part["length"], request_id=mig.next_id)
-        self._out.append(Out(Out.PEER, dest, h, pickle.dumps(part, protocol=5)))
+        self._out.append(Out(Out.PEER, dest, h, typed.pack(part)))
 
     def _on_migrate(self, client, h, payload):
-        part = pickle.loads(_bytes(payload))
+        part = _read_part(h, payload)
         mig = self.migration
         if mig is not None and mig.version == h.plan_version:
             self._reply(client, h, MsgType.ACK, length=0)
@@ -539,8 +718,8 @@ class ServerState:
         if len(applied) != 1:
             raise RequestError("plan %d: parts of key %d come from different rounds %s"
                                % (mig.version, key, sorted(applied)))
-        value = np.concatenate([p["value"] for p in parts]) if len(parts) > 1 \
-            else parts[0]["value"]
+        # a copy: a received part's value is a read-only view of its frame
+        value = np.concatenate([p["value"] for p in parts])
         slot = _Slot(key, want.offset, want.length, parts[0]["dtype"], MemorySlice(value))
         slot.applied = applied.pop()
         if self.updater is not None:

@@ -1,8 +1,10 @@
 """The mxps message format.
 
 Every message is a ZeroMQ multipart message: one fixed 56-byte header frame, optionally followed
-by one payload frame (raw array bytes, sent zero-copy from numpy/NDArray memory, or a pickled /
-JSON control body).  The header:
+by one payload frame (raw array bytes, sent zero-copy from numpy/NDArray memory; a JSON control
+body; structured data with arrays in the typed format of ``mxps.wire.typed``; and in one place,
+SET_OPTIMIZER from rank 0, MXNet's optimizer object as a pickle, which the server reads with a
+restricted unpickler).  The header:
 
     offset size field
     0      4    magic  b"MXPS"
@@ -57,9 +59,9 @@ class MsgType(enum.IntEnum):
     PUSH = 11           # worker -> server: gradient slice (ack after it is accounted)
     PULL = 12           # worker -> server: value of a slice after `iteration` rounds
     PUSHPULL = 13       # PUSH, then reply with the value after that round (one round trip)
-    SET_OPTIMIZER = 14  # rank 0 -> server: pickled optimizer (MXNet sends pickles too)
-    GET_STATES = 15     # worker -> server: pickled optimizer states of its slices
-    SET_STATES = 16     # worker -> server: restore optimizer states
+    SET_OPTIMIZER = 14  # rank 0 -> server: pickled optimizer (only from rank 0; restricted)
+    GET_STATES = 15     # worker -> server: optimizer states of its slices (typed payload)
+    SET_STATES = 16     # worker -> server: restore optimizer states (typed payload)
     PROBE = 24          # worker -> server: N bytes, answered with N bytes (bandwidth probe)
     BANDWIDTH = 25      # worker -> scheduler: JSON measured rates; scheduler -> workers: agreed
     REPLAN = 26         # worker -> scheduler: traffic of the last rounds, waits for the answer;
@@ -67,7 +69,7 @@ class MsgType(enum.IntEnum):
     PLAN = 27           # scheduler -> server: JSON {version, old, new tables}; server -> sched:
                         # the new plan's state is in place (every moved slice arrived)
     MIGRATE = 28        # server -> server: a moved part of a slice (value, optimizer state,
-                        # update count), pickled; answered with ACK
+                        # update count), typed payload; answered with ACK
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)
