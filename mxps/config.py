@@ -48,6 +48,10 @@ class Config:
     replan_window: int = 3
     trace: str = ""
     job_info: str = ""
+    hwm: int = 1000
+    # the job secret (MXPS_SECRET / MXPS_SECRET_FILE); empty: unauthenticated.  Never in a
+    # repr, so never in a log line or a traceback that prints the Config.
+    secret: bytes = dataclasses.field(default=b"", repr=False)
 
     @property
     def replanning(self):
@@ -101,6 +105,41 @@ def _bool(env, name, default=False):
     if v.lower() in ("0", "false", "no", "off"):
         return False
     raise ConfigError("%s=%r: use 1 or 0" % (name, v))
+
+
+MIN_SECRET_BYTES = 16
+MAKE_SECRET = "python -c 'import secrets; print(secrets.token_hex(32))'"
+
+
+def _secret(env):
+    """The job secret as bytes (b"" when neither variable is set).
+
+    MXPS_SECRET holds it; MXPS_SECRET_FILE names a file holding it (surrounding whitespace
+    stripped), which keeps it off command lines: MXNet's ssh launcher writes ``--env``
+    values into the remote command line.  Too short a secret is refused: every node derives
+    its keys from it, and a short one can be guessed by trying handshakes."""
+    value, path = _get(env, "MXPS_SECRET"), _get(env, "MXPS_SECRET_FILE")
+    if value is not None and path is not None:
+        raise ConfigError("MXPS_SECRET and MXPS_SECRET_FILE are both set: set only one")
+    name = "MXPS_SECRET"
+    if path is not None:
+        name = "MXPS_SECRET_FILE=%s" % path
+        try:
+            with open(path, "rb") as f:
+                secret = f.read().strip()
+        except OSError as e:
+            raise ConfigError("MXPS_SECRET_FILE=%s cannot be read: %s" % (
+                path, e.strerror or e)) from None
+        if not secret:
+            raise ConfigError("MXPS_SECRET_FILE=%s is empty: it must hold the job secret" % path)
+    elif value is not None:
+        secret = value.strip().encode()
+    else:
+        return b""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError("%s: the job secret has %d bytes, at least %d are needed (make one "
+                          "with %s)" % (name, len(secret), MIN_SECRET_BYTES, MAKE_SECRET))
+    return secret
 
 
 def pure_python(env=None):
@@ -183,6 +222,8 @@ def from_env(env=None, mode=None):
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),
         job_info=_get(env, "MXPS_JOB_INFO", ""),
+        hwm=_int(env, "MXPS_HWM", 1000, minimum=16),
+        secret=_secret(env),
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)

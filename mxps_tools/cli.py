@@ -5,8 +5,10 @@
 runs MXNet's own launcher (``<site-packages>/mxnet/tools/launch.py --launcher local``), unchanged,
 inside a private network namespace (mxps_tools.emunet): the local launcher gives every process
 this machine's external address as DMLC_PS_ROOT_URI; inside the namespace that address is the
-namespace's own 198.18.0.0/15 address, so the job's traffic never leaves the namespace.  Needs
-root (network namespaces).
+namespace's own 198.18.0.0/15 address, so the job's traffic never leaves the namespace.  Every
+job gets a fresh random secret (MXPS_SECRET, in the environment the launcher copies to every
+process, never on a command line) unless MXPS_SECRET or MXPS_SECRET_FILE is set already.
+Needs root (network namespaces).
 
     mxps bench --quick
     mxps bench --scenario static            # 4 workers x 4 servers, resnet18_v1
@@ -27,6 +29,7 @@ does not bring: a command that would draw checks for it before doing anything el
 import argparse
 import importlib.util
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -41,6 +44,15 @@ def mxnet_launcher():
     if not os.path.exists(path):
         raise SystemExit("mxps: MXNet's launcher is missing: %s" % path)
     return path
+
+
+def launch_env(environ):
+    """The launched command's environment: ``environ`` with a fresh random job secret, unless
+    it names one already (MXPS_SECRET or MXPS_SECRET_FILE: the user's choice stands)."""
+    env = dict(environ, PYTHONUNBUFFERED="1")
+    if not env.get("MXPS_SECRET") and not env.get("MXPS_SECRET_FILE"):
+        env["MXPS_SECRET"] = secrets.token_hex(32)
+    return env
 
 
 def cmd_launch(args):
@@ -60,7 +72,7 @@ def cmd_launch(args):
     argv = [sys.executable, mxnet_launcher(), "-n", str(args.num_workers),
             "-s", str(args.num_servers), "--launcher", "local"] + command
     with emunet.Topology(["job"]) as topo:
-        proc = topo.popen("job", argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = topo.popen("job", argv, env=launch_env(os.environ))
         try:
             return proc.wait()
         except KeyboardInterrupt:

@@ -3,10 +3,14 @@
 Shared by workers and servers.  The owner polls ``sock`` in its own loop and hands scheduler
 messages to ``handle``; ``tick`` sends heartbeats and detects a silent scheduler.  Nothing here
 waits without a deadline: a lost scheduler or an ABORT ends the process with a message naming
-the lost node (``fatal``), exit code ``EXIT_LOST_PEER``.
+the lost node (``fatal``), exit code ``EXIT_LOST_PEER``.  A scheduler that refuses this node's
+credentials (a different job secret) ends the registration within a second, saying so
+(``CredentialsRefused``).  A scheduler message that does not parse (bad JSON, missing or
+mistyped fields) is dropped and counted (``drops``), never fatal.
 """
 import json
 import logging
+import numbers
 import os
 import sys
 import threading
@@ -14,7 +18,7 @@ import time
 
 import zmq
 
-from ..wire import tcp as transport
+from ..wire import frame as wire, tcp as transport
 from ..wire.frame import Header, MsgType
 
 log = logging.getLogger("mxps")
@@ -22,8 +26,88 @@ log = logging.getLogger("mxps")
 EXIT_LOST_PEER = 3
 
 
+# a scheduler that closed this many handshakes in a row (none succeeded) refuses our
+# credentials: libzmq retries every 100 ms, so this takes a few tenths of a second (a
+# handshake refused outright, e.g. a node without a secret, is not retried: one is enough)
+HANDSHAKE_FAILURES = 3
+
+
 class PeerLostError(RuntimeError):
     """Another node of the job died or went silent; the message names it."""
+
+
+class CredentialsRefused(PeerLostError):
+    """The scheduler refused this node's handshake: the nodes' job secrets differ."""
+
+
+def _body(payload, what):
+    """A control message's JSON object; raises WireError naming ``what`` otherwise."""
+    if payload is None:
+        raise wire.WireError("%s without a body" % what)
+    try:
+        body = json.loads(payload.bytes if hasattr(payload, "bytes") else payload)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise wire.WireError("%s body is not JSON: %s" % (what, e)) from None
+    if not isinstance(body, dict):
+        raise wire.WireError("%s body is not a JSON object" % what)
+    return body
+
+
+def _field(body, name, kind, what, optional=False):
+    v = body.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise wire.WireError("%s: field %r is %r" % (what, name, v))
+    return v
+
+
+def parse_welcome(payload):
+    """The scheduler's WELCOME, checked: rank, server addresses, job size, mode."""
+    body = _body(payload, "WELCOME")
+    rank = _field(body, "rank", int, "WELCOME")
+    workers = _field(body, "num_workers", int, "WELCOME")
+    servers = _field(body, "num_servers", int, "WELCOME")
+    addrs = _field(body, "servers", list, "WELCOME")
+    if len(addrs) != servers or not all(
+            isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
+            and isinstance(a[1], int) and 0 < a[1] < 65536 for a in addrs):
+        raise wire.WireError("WELCOME: %d server addresses %r" % (servers, addrs))
+    if body.get("mode") not in ("sync", "async") or rank < 0 or workers < 1:
+        raise wire.WireError("WELCOME: rank %d, %d workers, mode %r"
+                             % (rank, workers, body.get("mode")))
+    return body
+
+
+def parse_bandwidth(payload):
+    body = _body(payload, "BANDWIDTH")
+    rates = _field(body, "rates", list, "BANDWIDTH")
+    if not rates or not all(isinstance(r, numbers.Real) and not isinstance(r, bool) and r > 0
+                            for r in rates):
+        raise wire.WireError("BANDWIDTH: rates %r" % (rates,))
+    return body
+
+
+def parse_replan(payload):
+    body = _body(payload, "REPLAN")
+    _field(body, "rates", list, "REPLAN", optional=True)
+    if "full_next" in body and not isinstance(body["full_next"], bool):
+        raise wire.WireError("REPLAN: full_next %r" % (body["full_next"],))
+    if body.get("table") is not None:
+        _field(body, "table", (list, dict), "REPLAN")
+        _field(body, "version", int, "REPLAN")
+    return body
+
+
+def _failed(n):
+    return "%d failed handshake%s" % (n, "" if n == 1 else "s")
+
+
+def _text(payload, default):
+    if payload is None:
+        return default
+    return (payload.bytes if hasattr(payload, "bytes") else bytes(payload)).decode(
+        "utf-8", errors="replace")
 
 
 def fatal(who, message, code=EXIT_LOST_PEER):
@@ -37,14 +121,21 @@ def fatal(who, message, code=EXIT_LOST_PEER):
 
 
 class SchedulerLink:
-    def __init__(self, cfg, role):
+    def __init__(self, cfg, role, settings=None):
         self.cfg = cfg
         self.role = role
-        self.sock = transport.connect_dealer(cfg.root_uri, cfg.root_port)
+        # how every socket of this node is made (job secret, queue bounds)
+        self.settings = settings or transport.Settings.from_config(cfg)
+        self.sock = transport.new_dealer(self.settings)
+        # registration watches the handshake: a refusal is reported at once, not at the timeout
+        self._handshake = transport.HandshakeWatch(self.sock)
+        transport.connect(self.sock, cfg.root_uri, cfg.root_port)
+        self.drops = transport.Tally(log)
         self.rank = -1
         self.welcome = None
         self.last_heard = time.monotonic()
         self.last_sent = 0.0
+        self._heard_at_start = False   # the scheduler answered during registration
         self.shutdown = False
         self.abort_message = None
         self.failing = False      # this node reported its own failure: the ABORT echo is ours
@@ -62,28 +153,91 @@ class SchedulerLink:
         return "%s %s" % (self.role, self.rank if self.rank >= 0 else "?")
 
     def register(self, host, port=0):
-        """Announce this node and wait for the scheduler's WELCOME (rank, peers)."""
-        body = json.dumps({"role": self.role, "host": host, "port": port,
-                           "pid": os.getpid(), "mode": self.cfg.mode}).encode()
-        transport.send(self.sock, Header(MsgType.REGISTER), body)
+        """Announce this node and wait for the scheduler's WELCOME (rank, peers).
+
+        While it waits the node heartbeats (``start_heartbeats`` in the REGISTER tells the
+        scheduler to watch it from now on, so a node that dies during start-up ends the job in
+        MXPS_HEARTBEAT_TIMEOUT) and watches the scheduler's echoes: once the scheduler has
+        answered, its silence for MXPS_HEARTBEAT_TIMEOUT ends the wait, naming it."""
+        body = json.dumps({"role": self.role, "host": host, "port": port, "pid": os.getpid(),
+                           "mode": self.cfg.mode, "start_heartbeats": True}).encode()
+        self.send(MsgType.REGISTER, body)
         deadline = time.monotonic() + self.cfg.start_timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000)):
-                raise PeerLostError(
-                    "no mxps scheduler answered at %s:%d within %.0f s (MXPS_START_TIMEOUT). Is the "
-                    "scheduler running, and does the training script `import mxps` before "
-                    "`import mxnet` (otherwise the scheduler and server processes start "
-                    "MXNet's native roles instead)?"
-                    % (self.cfg.root_uri, self.cfg.root_port, self.cfg.start_timeout))
-            _, h, payload = transport.recv(self.sock)
+        self._heard_at_start = False
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._handshake.sock, zmq.POLLIN)
+        try:
+            while True:
+                now = time.monotonic()
+                self._start_tick(now)
+                wait = min(deadline - now, self.last_sent + self.cfg.heartbeat_interval - now)
+                events = poll_forever(poller, max(0, int(wait * 1000) + 1)) if wait > 0 else {}
+                if self._handshake.sock in events:
+                    self._handshake.on_readable()
+                    self._check_handshake()
+                if self.sock in events:
+                    welcome = self._read_welcome()
+                    if welcome is not None:
+                        return welcome
+                elif time.monotonic() >= deadline:
+                    raise PeerLostError(
+                        "no mxps scheduler answered at %s:%d within %.0f s (MXPS_START_TIMEOUT). "
+                        "Is the scheduler running, and does the training script `import mxps` "
+                        "before `import mxnet` (otherwise the scheduler and server processes "
+                        "start MXNet's native roles instead)?"
+                        % (self.cfg.root_uri, self.cfg.root_port, self.cfg.start_timeout))
+        finally:
+            self._handshake.close()
+
+    def _start_tick(self, now):
+        """During registration: heartbeat when due; a scheduler that answered before and has
+        been silent for MXPS_HEARTBEAT_TIMEOUT is lost."""
+        if now - self.last_sent >= self.cfg.heartbeat_interval:
+            self.send(MsgType.HEARTBEAT)
+        if self._heard_at_start and now - self.last_heard > self.cfg.heartbeat_timeout:
+            raise PeerLostError(
+                "lost the scheduler at %s:%d during start-up: it answered, then was silent for "
+                "%.1f s (MXPS_HEARTBEAT_TIMEOUT=%s)" % (
+                    self.cfg.root_uri, self.cfg.root_port, now - self.last_heard,
+                    self.cfg.heartbeat_timeout))
+
+    def _read_welcome(self):
+        """Read what the scheduler sent; its WELCOME once it came (else None)."""
+        while self.sock.poll(0):
+            try:
+                _, h, payload = transport.recv(self.sock)
+                if h.type == MsgType.WELCOME:
+                    self.welcome = parse_welcome(payload)
+            except wire.WireError as e:
+                self.drops("malformed", "%s: dropped a malformed message from the scheduler: "
+                           "%s", self.name, e)
+                continue
+            self.last_heard = time.monotonic()
+            self._heard_at_start = True
             if h.type == MsgType.WELCOME:
-                self.welcome = json.loads(payload.bytes)
                 self.rank = self.welcome["rank"]
-                self.last_heard = time.monotonic()
                 return self.welcome
             if h.type == MsgType.ABORT:
-                raise PeerLostError(payload.bytes.decode())
+                raise PeerLostError(_text(payload, "the scheduler refused this node"))
+        return None
+
+    def _check_handshake(self):
+        w = self._handshake
+        if w.succeeded or not (w.refused or w.failures >= HANDSHAKE_FAILURES):
+            return
+        where = "%s:%d" % (self.cfg.root_uri, self.cfg.root_port)
+        took = time.monotonic() - w.first_failure
+        if self.settings.authenticated:
+            raise CredentialsRefused(
+                "the scheduler at %s did not accept this node's credentials (%s within %.1f s): "
+                "MXPS_SECRET differs between the nodes of this job? Every node needs the same "
+                "MXPS_SECRET or MXPS_SECRET_FILE (or the scheduler runs without a secret, or "
+                "it is not an mxps scheduler)" % (where, _failed(w.failures), took))
+        raise CredentialsRefused(
+            "the scheduler at %s refused this node's connection (%s within %.1f s): it "
+            "requires a job secret and this node has none. Set the job's MXPS_SECRET or "
+            "MXPS_SECRET_FILE on every node" % (where, _failed(w.failures), took))
 
     def send(self, type_, body=None, **fields):
         transport.send(self.sock, Header(type_, sender=self.rank, **fields), body)
@@ -100,12 +254,39 @@ class SchedulerLink:
                                                   self.cfg.heartbeat_timeout))
 
     def handle(self, header, payload):
-        """Process one scheduler message; returns its type for the owner to act on."""
+        """Process one scheduler message; returns its type for the owner to act on (None: it
+        was malformed, dropped and counted)."""
         self.last_heard = time.monotonic()
+        try:
+            body = self._parse(header, payload)
+        except wire.WireError as e:
+            self.drops("malformed", "%s: dropped a malformed message from the scheduler: %s",
+                       self.name, e)
+            return None
         with self.changed:
-            self._handle(header, payload)
+            self._handle(header, payload, body)
             self.changed.notify_all()
         return header.type
+
+    @staticmethod
+    def _parse(header, payload):
+        if header.type == MsgType.BANDWIDTH:
+            return parse_bandwidth(payload)
+        if header.type == MsgType.REPLAN:
+            return parse_replan(payload)
+        return None
+
+    def receive(self):
+        """Read and handle every message waiting on the link (the owner's loop calls it when
+        ``sock`` polls readable); a message that does not parse is dropped and counted."""
+        while self.sock.poll(0):
+            try:
+                _, h, payload = transport.recv(self.sock)
+            except wire.WireError as e:
+                self.drops("malformed", "%s: dropped a malformed message from the scheduler: "
+                           "%s", self.name, e)
+                continue
+            yield h, payload
 
     def wait_for(self, predicate, timeout=None):
         """Wait until ``predicate()`` (of this link's state) holds, or ``timeout`` seconds
@@ -114,9 +295,9 @@ class SchedulerLink:
         with self.changed:
             return self.changed.wait_for(predicate, timeout)
 
-    def _handle(self, header, payload):
+    def _handle(self, header, payload, body):
         if header.type == MsgType.ABORT:
-            self.abort_message = payload.bytes.decode() if payload is not None else "aborted"
+            self.abort_message = _text(payload, "aborted")
             if not self.failing:
                 fatal(self.name, self.abort_message)
         elif header.type == MsgType.SHUTDOWN:
@@ -124,9 +305,9 @@ class SchedulerLink:
         elif header.type == MsgType.ACK and header.key == -2:   # barrier release
             self.barrier_done = max(self.barrier_done, header.iteration)
         elif header.type == MsgType.BANDWIDTH:
-            self.bandwidth = json.loads(payload.bytes)
+            self.bandwidth = body
         elif header.type == MsgType.REPLAN:
-            self.replan = json.loads(payload.bytes)
+            self.replan = body
             self.replans += 1
 
     def fail(self, message, code=1):
@@ -140,6 +321,7 @@ class SchedulerLink:
             fatal(self.name, message, code)
 
     def close(self):
+        self._handshake.close()
         self.sock.close(linger=500)
 
 
@@ -152,4 +334,5 @@ def poll_forever(poller, timeout_ms):
         raise
 
 
-__all__ = ["SchedulerLink", "PeerLostError", "fatal", "EXIT_LOST_PEER", "poll_forever"]
+__all__ = ["SchedulerLink", "PeerLostError", "CredentialsRefused", "fatal", "EXIT_LOST_PEER",
+           "poll_forever"]

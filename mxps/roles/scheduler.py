@@ -5,6 +5,11 @@ the state machine (which holds the protocol: rendezvous and ranks, barriers, liv
 points, clean shutdown; see its module), and does what it answers: sends its messages, writes
 the job's facts to MXPS_JOB_INFO, and ends with its exit code after a short pause that lets zmq
 put the last messages (an ABORT naming the lost node, or SHUTDOWN) on the wire.
+
+With a job secret only the job's nodes can connect, so only they can register (refused
+connections are logged with their address by ``mxps.wire.auth``).  Nothing a connection sends
+ends the scheduler: a malformed message, or one the state machine cannot parse, is dropped and
+counted (``drops``, logged rate-limited).
 """
 import json
 import logging
@@ -14,7 +19,7 @@ import time
 
 import zmq
 
-from ..wire import tcp as transport
+from ..wire import frame as wire, tcp as transport
 from .link import poll_forever
 from .scheduler_state import SchedulerState
 
@@ -51,8 +56,11 @@ def write_job_info(path, facts):
 class Scheduler:
     def __init__(self, cfg):
         self.cfg = cfg
-        self.sock, _ = transport.bind_router(cfg.root_uri, cfg.root_port)
+        self.sock, _ = transport.bind_router(cfg.root_uri, cfg.root_port,
+                                             transport.Settings.from_config(cfg),
+                                             who="scheduler")
         self.state = SchedulerState(cfg, time.monotonic())
+        self.drops = transport.Tally(log)
 
     def _do(self, step):
         """Carry out one answer of the state machine; the exit code when the job ended."""
@@ -66,6 +74,8 @@ class Scheduler:
         for s in step.sends:
             try:
                 transport.send(self.sock, s.header, s.body, ident=s.ident)
+            except transport.QueueFull as e:
+                self.drops("full", "scheduler: %r dropped: %s", s.header, e)
             except transport.TransportError:
                 pass    # that node is gone; the heartbeat check reports it
         if step.exit is None:
@@ -80,14 +90,29 @@ class Scheduler:
         while True:
             if poll_forever(poller, wait_ms):
                 while self.sock.poll(0):
-                    ident, h, payload = transport.recv(self.sock, with_ident=True)
-                    body = None if payload is None else payload.bytes
-                    code = self._do(self.state.on_message(ident, h, body, time.monotonic()))
+                    step = self._receive()
+                    code = None if step is None else self._do(step)
                     if code is not None:
                         return code
             code = self._do(self.state.tick(time.monotonic()))
             if code is not None:
                 return code
+
+    def _receive(self):
+        """Read one message and feed it to the state machine; its answer, or None when the
+        message was dropped (malformed, or a body the state machine could not parse)."""
+        try:
+            ident, h, payload = transport.recv(self.sock, with_ident=True)
+        except wire.WireError as e:
+            self.drops("malformed", "scheduler: dropped a malformed message: %s", e)
+            return None
+        body = None if payload is None else payload.bytes
+        try:
+            return self.state.on_message(ident, h, body, time.monotonic())
+        except Exception as e:   # the state's parsing of bodies: the job goes on without it
+            self.drops("body:" + type(e).__name__, "scheduler: dropped %r from connection %r: "
+                       "%s: %s", h, ident, type(e).__name__, e)
+            return None
 
     def run(self):
         try:

@@ -6,9 +6,19 @@ scheduler link, polls, feeds every message to the state and sends what it return
 the connection a request came on, parts to peer servers (a DEALER per peer, opened at the first
 migration), plan reports to the scheduler.  Heartbeats and the scheduler's other messages
 (shutdown, abort) are the link's (``roles.link``).
+
+Every connection is bound to a node: a worker's and a peer server's connections carry the zmq
+identity ``worker:<rank>`` / ``server:<rank>`` (with a job secret only the job's nodes connect
+at all).  ``authenticate`` derives the sender from that identity, overwrites the header's
+``sender`` with it (so ``ServerState`` may trust ``header.sender`` as the connection's rank:
+a push counts for the rank that sent it, never for the rank a header claims) and refuses the
+message types that role does not send.  Nothing a peer sends stops the loop: a malformed
+message or an unknown connection is dropped and counted (``drops``, logged rate-limited), a
+reply to a peer that does not read (its queue at MXPS_HWM) is dropped and logged.
 """
 import dataclasses
 import logging
+import re
 import time
 
 import zmq
@@ -23,18 +33,63 @@ log = logging.getLogger("mxps.server")
 
 BATCH = 64      # requests handled before the scheduler link and peers get a look
 
+# what each kind of peer may ask of a server
+ALLOWED = {
+    "worker": frozenset((MsgType.INIT, MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL,
+                         MsgType.SET_OPTIMIZER, MsgType.GET_STATES, MsgType.SET_STATES,
+                         MsgType.PROBE)),
+    "server": frozenset((MsgType.MIGRATE,)),
+}
+_IDENTITY = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")
+
+
+class Refused(Exception):
+    """A message the server does not take from that connection; ``reply`` says whether the
+    sender (a node of the job, wrong in what it asked) gets an ERROR with the message."""
+
+    def __init__(self, message, reply):
+        super().__init__(message)
+        self.reply = reply
+
+
+def identity(role, rank):
+    """The zmq identity of a node's connections to servers."""
+    return b"%s:%d" % (role.encode(), rank)
+
+
+def authenticate(ident, header, num_workers, num_servers):
+    """Bind a request to its connection: the sender's role and rank come from the connection's
+    identity ``ident``, and ``header.sender`` is overwritten with that rank.  Returns the role;
+    raises ``Refused`` for an identity that names no node of this job (dropped: the peer is
+    not one of the job's nodes) or a message type that role does not send (answered)."""
+    m = _IDENTITY.match(ident)
+    size = {b"worker": num_workers, b"server": num_servers}
+    if m is None or int(m.group(2)) >= size[m.group(1)]:
+        raise Refused("a connection with identity %r is not a node of this job (worker:<rank> "
+                      "or server:<rank>)" % (ident,), reply=False)
+    role, rank = m.group(1).decode(), int(m.group(2))
+    if header.type not in ALLOWED[role]:
+        raise Refused("%s %d may not send %s to a server" % (
+            role, rank, MsgType(header.type).name), reply=True)
+    header.sender = rank
+    return role
+
 
 class Server:
     def __init__(self, cfg):
         host = cfg.node_host or transport.local_address_towards(cfg.root_uri, cfg.root_port)
-        self.sock, self.port = transport.bind_router(host, None)
-        self.link = SchedulerLink(cfg, "server")
+        settings = transport.Settings.from_config(cfg)
+        self.sock, self.port = transport.bind_router(host, None, settings, who="server")
+        self.link = SchedulerLink(cfg, "server", settings)
         welcome = self.link.register(host, self.port)
         self.cfg = dataclasses.replace(cfg, mode=welcome["mode"])   # the workers' choice
         self.rank = welcome["rank"]
+        self.num_workers = welcome["num_workers"]
+        self.num_servers = welcome["num_servers"]
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync)
         self.peer_addrs = welcome["servers"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
+        self.drops = transport.Tally(log)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.link.sock, zmq.POLLIN)
@@ -43,21 +98,28 @@ class Server:
     def _send(self, outs):
         for out in outs:
             if out.to == Out.CLIENT:
-                try:
-                    transport.send(self.sock, out.header, out.payload, ident=out.dest)
-                except transport.TransportError:
-                    log.warning("worker connection %r is gone; reply %r dropped", out.dest,
-                                out.header)
+                self._reply(out.dest, out.header, out.payload)
             elif out.to == Out.PEER:
                 transport.send(self._peer(out.dest), out.header, out.payload)
             else:
                 self.link.send(out.header.type, out.payload)
 
+    def _reply(self, ident, header, payload):
+        try:
+            transport.send(self.sock, header, payload, ident=ident)
+        except transport.QueueFull as e:
+            self.drops("full:%r" % ident, "server %d: reply %r dropped: %s; a peer that "
+                       "does not read its replies (or raise MXPS_HWM)", self.rank, header, e)
+        except transport.TransportError:
+            log.warning("server %d: connection %r is gone; reply %r dropped", self.rank, ident,
+                        header)
+
     def _peer(self, rank):
         sock = self.peers.get(rank)
         if sock is None:
             host, port = self.peer_addrs[rank]
-            sock = self.peers[rank] = transport.connect_dealer(host, port)
+            sock = self.peers[rank] = transport.connect_dealer(
+                host, port, self.link.settings, identity("server", self.rank))
             self.poller.register(sock, zmq.POLLIN)
         return sock
 
@@ -67,23 +129,42 @@ class Server:
                 break
             try:
                 ident, h, payload = transport.recv(self.sock, with_ident=True)
+                authenticate(ident, h, self.num_workers, self.num_servers)
             except wire.WireError as e:
-                log.warning("server %d: dropped a malformed message: %s", self.rank, e)
+                self.drops("malformed", "server %d: dropped a malformed message: %s",
+                           self.rank, e)
+                continue
+            except Refused as e:
+                if e.reply:
+                    self._reply(ident, h.reply(MsgType.ERROR, dtype=wire.NO_DTYPE, length=0),
+                                str(e).encode())
+                self.drops("refused:%r" % ident, "server %d: refused a message: %s",
+                           self.rank, e)
                 continue
             self._send(self.state.on_request(ident, h, payload))
 
     def _serve_scheduler(self):
-        while self.link.sock.poll(0):
-            _, h, payload = transport.recv(self.link.sock)
+        for h, payload in self.link.receive():
             if h.type == MsgType.PLAN:
                 self.link.last_heard = time.monotonic()
-                self._send(self.state.on_scheduler(h, payload))
+                try:
+                    outs = self.state.on_scheduler(h, payload)
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                    self.drops("plan", "server %d: dropped a PLAN that does not parse: %s: %s",
+                               self.rank, type(e).__name__, e)
+                    continue
+                self._send(outs)
             else:
                 self.link.handle(h, payload)
 
     def _serve_peer(self, rank, sock):
         while sock.poll(0):
-            _, h, _ = transport.recv(sock)
+            try:
+                _, h, _ = transport.recv(sock)
+            except wire.WireError as e:
+                self.drops("peer", "server %d: dropped a malformed message from server %d: %s",
+                           self.rank, rank, e)
+                continue
             self._send(self.state.on_peer_reply(rank, h))
 
     def run(self):

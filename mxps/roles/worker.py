@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from ..wire import tcp as transport
+from ..wire import frame as wire, tcp as transport
 from ..wire.frame import Header, MsgType
 from . import link as control
 from .link import SchedulerLink
@@ -58,11 +58,20 @@ class Client:
         self.rank = welcome["rank"]
         self.num_workers = welcome["num_workers"]
         self.num_servers = welcome["num_servers"]
-        self.servers = [transport.connect_dealer(h, p) for h, p in welcome["servers"]]
+        # the connection's identity is this worker's rank: servers count a push for the rank
+        # of the connection it came on, never for the rank a header claims
+        identity = b"worker:%d" % self.rank
+        self.servers = [transport.connect_dealer(h, p, self.link.settings, identity)
+                        for h, p in welcome["servers"]]
         self.server_addrs = ["%s:%d" % (h, p) for h, p in welcome["servers"]]
         self._ids = itertools.count(1)
         self._pending = {}
         self._queue = collections.deque()
+        # per server: messages waiting for room in the connection's queue (MXPS_HWM); the I/O
+        # thread never blocks in a send, so it always reads the replies that make room
+        self._outbox = [collections.deque() for _ in self.servers]
+        self._poller = None
+        self.drops = transport.Tally(log)
         self._held = [[] for _ in self.servers]     # per server: heap of prioritised pushes
         self._unacked = [0] * len(self.servers)     # per server: bytes of unacked pushes
         self._unacked_count = [0] * len(self.servers)   # ... and how many (two may always
@@ -99,7 +108,12 @@ class Client:
         every worker then sends the chunks in nearly the same order, so the server completes
         (and answers) chunk after chunk instead of all at the end, and a gradient that is
         ready late but needed first overtakes the queue.  Waiting only for the server's
-        receipt, never for other workers, cannot deadlock."""
+        receipt, never for other workers, cannot deadlock.
+
+        The queue is bounded by the model: MXNet runs one operation per key at a time (each
+        holds its key's ``seq`` variable), an operation submits at most two requests per slice,
+        and control requests wait for their answers; so it needs no bound of its own (and a
+        blocking bound could stall the engine threads that submit)."""
         header.request_id = next(self._ids)
         header.sender = self.rank
         self._queue.append((server, header, payload, on_reply, priority))
@@ -284,7 +298,7 @@ class Client:
             self.link.fail("I/O thread failed: %r" % (e,))
 
     def _io_loop_inner(self):
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self.link.sock, zmq.POLLIN)
         index = {}
@@ -298,6 +312,9 @@ class Client:
             self._sleeping = False
             if self._wake_r in events:
                 os.read(self._wake_r, 65536)
+            for sock, i in index.items():
+                if events.get(sock, 0) & zmq.POLLOUT:
+                    self._flush_outbox(i)
             while self._queue:
                 server, h, payload, on_reply, priority = self._queue.popleft()
                 if server is None:
@@ -311,23 +328,7 @@ class Client:
                 self._send(server, h, payload, on_reply, 0)
             for sock, i in index.items():
                 if sock in events:
-                    while sock.poll(0):
-                        _, h, payload = transport.recv(sock)
-                        if h.iteration > 0:
-                            n = len(payload) if payload is not None else 0
-                            now = time.monotonic()
-                            self._count(h.iteration, i, n, now)
-                            if self._trace is not None:
-                                self._trace.append([h.iteration, i, h.key, h.offset, -n, now,
-                                                    h.request_id])
-                        entry = self._pending.pop(h.request_id, None)
-                        if entry is None:
-                            log.warning("reply to an unknown request: %r", h)
-                            continue
-                        if entry[4]:
-                            self._unacked[i] -= entry[4]
-                            self._unacked_count[i] -= 1
-                        entry[0](h, payload)
+                    self._read_replies(i, sock)
             # after the replies: an ACK that opened a window sends the next held push now
             for server, held in enumerate(self._held):
                 while held and (self._unacked[server] < self.cfg.send_window
@@ -338,8 +339,7 @@ class Client:
                     self._unacked_count[server] += 1
                     self._send(server, h, payload, on_reply, n)
             if self.link.sock in events:
-                while self.link.sock.poll(0):
-                    _, h, p = transport.recv(self.link.sock)
+                for h, p in self.link.receive():
                     self.link.handle(h, p)
             now = time.monotonic()
             if not self._finished or not self.link.shutdown:
@@ -349,10 +349,69 @@ class Client:
             s.close(linger=500)
         self.link.close()
 
+    _REPLY_TYPES = frozenset((MsgType.ACK, MsgType.DATA, MsgType.ERROR))
+
+    def _read_replies(self, i, sock):
+        """Match server ``i``'s replies to their requests and run the requests' callbacks.
+        Anything else (a malformed message, a reply to no request of this worker or from
+        another server, a reply its callback cannot use) is dropped and counted; the request
+        stays pending, so a server that never answers it properly is still reported when
+        MXPS_TIMEOUT runs out."""
+        while sock.poll(0):
+            try:
+                _, h, payload = transport.recv(sock)
+            except wire.WireError as e:
+                self.drops("malformed", "worker %d: dropped a malformed message from server %d "
+                           "(%s): %s", self.rank, i, self.server_addrs[i], e)
+                continue
+            entry = self._pending.pop(h.request_id, None)
+            if entry is None or entry[2] != i or h.type not in self._REPLY_TYPES:
+                if entry is not None:
+                    self._pending[h.request_id] = entry
+                self.drops("unexpected", "worker %d: dropped %r from server %d (%s): not a reply "
+                           "to a request of this worker to that server", self.rank, h, i,
+                           self.server_addrs[i])
+                continue
+            received = time.monotonic()
+            try:
+                entry[0](h, payload)
+            except Exception as e:
+                self._pending[h.request_id] = entry
+                self.drops("unusable", "worker %d: dropped server %d's reply %r to %r: %s: %s",
+                           self.rank, i, h, entry[3], type(e).__name__, e)
+                continue
+            if entry[4]:
+                self._unacked[i] -= entry[4]
+                self._unacked_count[i] -= 1
+            if h.iteration > 0:
+                n = len(payload) if payload is not None else 0
+                self._count(h.iteration, i, n, received)
+                if self._trace is not None:
+                    self._trace.append([h.iteration, i, h.key, h.offset, -n, received,
+                                        h.request_id])
+
     def _send(self, server, h, payload, on_reply, held_bytes):
         if on_reply is not None:
             self._pending[h.request_id] = (on_reply, time.monotonic(), server, h, held_bytes)
-        transport.send(self.servers[server], h, payload)
+        box = self._outbox[server]
+        if box or not self._transmit(server, h, payload):
+            if not box:   # the queue just filled: wake when it has room again
+                self._poller.modify(self.servers[server], zmq.POLLIN | zmq.POLLOUT)
+            box.append((h, payload))
+
+    def _flush_outbox(self, server):
+        box = self._outbox[server]
+        while box and self._transmit(server, *box[0]):
+            box.popleft()
+        if not box:
+            self._poller.modify(self.servers[server], zmq.POLLIN)
+
+    def _transmit(self, server, h, payload):
+        """Hand one message to server's connection; False (nothing sent) if its queue is full."""
+        try:
+            transport.send(self.servers[server], h, payload, block=False)
+        except transport.QueueFull:
+            return False
         if h.iteration > 0:
             n = memoryview(payload).nbytes if payload is not None else 0
             now = time.monotonic()
@@ -360,3 +419,4 @@ class Client:
             if self._trace is not None:
                 self._trace.append([h.iteration, server, h.key, h.offset, n, now,
                                     h.request_id])
+        return True

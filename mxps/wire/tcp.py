@@ -3,37 +3,138 @@
 The transport moves (header, payload) messages and knows nothing about keys or placement.
 Large payloads go zero-copy (``copy=False``): zmq keeps a reference to the buffer until it has
 been written to the socket.  Every blocking wait in mxps goes through ``poll`` with a timeout.
+
+Every socket is made from a ``Settings`` (``Settings.from_config``): with a job secret every
+connection is authenticated and encrypted (zmq CURVE, ``mxps.wire.auth``), so a message from
+a peer without the secret never reaches ``recv``.  Queues are bounded (``MXPS_HWM`` messages
+per connection and direction): a listening socket never blocks on a peer that does not read
+(``send`` raises ``QueueFull``: the caller drops that reply and logs it), a connecting
+socket's send waits at most ``send_timeout``.  Without a secret a node that listens beyond
+loopback prints one loud warning.
+
+Frames are bounded too (zmq MAXMSGSIZE): a payload larger than ``FRAME_BYTES`` travels as
+consecutive frames of exactly ``FRAME_BYTES`` (the last one shorter) and ``recv`` joins them.
+zmq allocates a frame's whole claimed size when its header arrives, also during the handshake,
+before it knows who is talking: with no bound one connection that will never authenticate
+could make a node hold a gigabyte; with it, at most ``FRAME_BYTES``.
 """
+import dataclasses
 import errno
+import ipaddress
 import socket
+import sys
+import threading
+from typing import Optional
 
 import zmq
 
-from . import frame as wire
+from ..config import MAKE_SECRET
+from . import auth, frame as wire
 
 ZERO_COPY_THRESHOLD = 64 * 1024   # below this a copy is cheaper than zmq's zero-copy bookkeeping
+FRAME_BYTES = 1 << 20             # the largest payload frame (a float32 chunk of MXPS_MAX_CHUNK)
+MAX_FRAME = FRAME_BYTES + 64      # zmq MAXMSGSIZE: a payload frame or the 56-byte header
 
 
 class TransportError(RuntimeError):
     """A peer could not be reached or spoke something that is not mxps."""
 
 
+class QueueFull(TransportError):
+    """A peer's queue is at its high-water mark (MXPS_HWM): it does not read what it asked for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How this process's sockets are made: credentials (None: unauthenticated), the queue
+    bound (messages per connection and direction), and how long a connecting socket's send
+    may wait at that bound."""
+    credentials: Optional[auth.Credentials] = None
+    hwm: int = 1000
+    send_timeout: float = 120.0
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(credentials=auth.Credentials(cfg.secret) if cfg.secret else None,
+                   hwm=cfg.hwm, send_timeout=cfg.timeout)
+
+    @property
+    def authenticated(self):
+        return self.credentials is not None
+
+
+PLAIN = Settings()
+
+
 def context():
     return zmq.Context.instance()
 
 
-def _tune(sock):
+def _tune(sock, settings):
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, settings.hwm)
+    sock.setsockopt(zmq.RCVHWM, settings.hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    sock.setsockopt(zmq.SNDTIMEO, int(settings.send_timeout * 1000))
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     return sock
 
 
-def bind_router(host, port=None):
-    """A ROUTER socket listening on host:port (a free port when port is None); (sock, port)."""
-    sock = _tune(context().socket(zmq.ROUTER))
+# -- the warning for unauthenticated listeners --------------------------------------------------
+_warned = threading.Event()
+
+
+def is_loopback(host):
+    """Whether ``host`` (an address or a name) is on loopback (127.0.0.0/8, ::1) only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
+                               for i in infos)
+
+
+def warn_if_exposed(host, port, who, out=None):
+    """Print one loud warning per process when ``who`` listens beyond loopback without a job
+    secret (returns whether it printed)."""
+    if is_loopback(host) or _warned.is_set():
+        return False
+    _warned.set()
+    out = sys.stderr if out is None else out
+    line = "mxps WARNING: " + "*" * 66 + "\n"
+    out.write(line + (
+        "mxps WARNING: this %s listens on %s:%s WITHOUT A JOB SECRET: anyone who can reach\n"
+        "mxps WARNING: that port can join the job, read and overwrite its weights and run code\n"
+        "mxps WARNING: in this process.  Give every node of the job the same secret:\n"
+        "mxps WARNING:   export MXPS_SECRET=$(%s)\n"
+        "mxps WARNING: (MXNet's launcher: launch.py --env MXPS_SECRET:$MXPS_SECRET ..., or a\n"
+        "mxps WARNING: file on every host: --env MXPS_SECRET_FILE:/path); `mxps launch` makes\n"
+        "mxps WARNING: one per job.  See docs/SECURITY.md.\n"
+        % (who, host, port, MAKE_SECRET)) + line)
+    out.flush()
+    return True
+
+
+# -- sockets -------------------------------------------------------------------------------------
+def bind_router(host, port=None, settings=PLAIN, who="node"):
+    """A ROUTER socket listening on host:port (a free port when port is None); (sock, port).
+
+    With credentials only the job's nodes can connect; refused connections are logged with
+    their address (``auth.Gatekeeper``).  ``who`` names this node in those lines."""
+    sock = _tune(context().socket(zmq.ROUTER), settings)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # a node's connection that comes back (zmq reconnects after a network hiccup) takes its
+    # identity over; without this the ROUTER ignores it while the old one looks alive
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if settings.credentials is not None:
+        gate = auth.Gatekeeper.for_context(context())
+        gate.admit(settings.credentials)
+        settings.credentials.serve(sock)
+        gate.watch(sock, who)
     try:
         if port is None:
             port = sock.bind_to_random_port("tcp://%s" % host, min_port=20000, max_port=60000,
@@ -43,15 +144,28 @@ def bind_router(host, port=None):
     except zmq.ZMQError as e:
         sock.close(0)
         raise TransportError("cannot listen on %s:%s: %s" % (host, port, e)) from None
+    if settings.credentials is None:
+        warn_if_exposed(host, port, who)
     return sock, port
 
 
-def connect_dealer(host, port, identity=None):
-    sock = _tune(context().socket(zmq.DEALER))
+def new_dealer(settings=PLAIN, identity=None):
+    """A DEALER socket, not yet connected (attach a ``HandshakeWatch`` before ``connect``)."""
+    sock = _tune(context().socket(zmq.DEALER), settings)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if settings.credentials is not None:
+        settings.credentials.join(sock)
+    return sock
+
+
+def connect(sock, host, port):
     sock.connect("tcp://%s:%d" % (host, port))
     return sock
+
+
+def connect_dealer(host, port, settings=PLAIN, identity=None):
+    return connect(new_dealer(settings, identity), host, port)
 
 
 def local_address_towards(host, port):
@@ -66,24 +180,61 @@ def local_address_towards(host, port):
         s.close()
 
 
-def send(sock, header, payload=None, ident=None):
-    """Send one message; ``payload`` is bytes or any buffer (sent zero-copy when large)."""
+def _payload_frames(payload):
+    """The frames of a payload: itself up to FRAME_BYTES, else consecutive FRAME_BYTES views."""
+    view = memoryview(payload)
+    if view.nbytes <= FRAME_BYTES:
+        return [payload]
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
+    view = view.cast("B")
+    return [view[i:i + FRAME_BYTES] for i in range(0, view.nbytes, FRAME_BYTES)]
+
+
+def send(sock, header, payload=None, ident=None, block=True):
+    """Send one message; ``payload`` is bytes or any buffer (sent zero-copy when large).
+
+    On a ROUTER (``ident`` given) a send never waits: a peer whose queue is full raises
+    ``QueueFull``, a peer that is gone ``TransportError``.  On a DEALER it waits up to the
+    settings' ``send_timeout`` for room in the queue (``block=False``: not at all), then
+    raises ``QueueFull``."""
     frames = [] if ident is None else [ident]
     frames.append(header.pack())
     copy = True
     if payload is not None:
-        frames.append(payload)
-        copy = memoryview(payload).nbytes < ZERO_COPY_THRESHOLD
+        parts = _payload_frames(payload)
+        frames.extend(parts)
+        copy = len(parts) == 1 and memoryview(payload).nbytes < ZERO_COPY_THRESHOLD
+    flags = zmq.DONTWAIT if ident is not None or not block else 0
     try:
-        sock.send_multipart(frames, copy=copy)
+        sock.send_multipart(frames, flags=flags, copy=copy)
+    except zmq.Again:
+        raise QueueFull("the queue to %s is full (MXPS_HWM messages unread)"
+                        % (_describe(ident),)) from None
     except zmq.ZMQError as e:
         if e.errno == zmq.EHOSTUNREACH:
-            raise TransportError("peer %r is gone" % (ident,)) from None
+            raise TransportError("peer %s is gone" % (_describe(ident),)) from None
         raise
 
 
+def _describe(ident):
+    if ident is None:
+        return "the peer"
+    try:
+        text = ident.decode("ascii")
+        if text.isprintable():
+            return text
+    except UnicodeDecodeError:
+        pass
+    return "connection %s" % ident.hex()
+
+
 def recv(sock, with_ident=False):
-    """Receive one message: (ident, header, payload_frame_or_None); ident is None on DEALER."""
+    """Receive one message: (ident, header, payload_frame_or_None); ident is None on DEALER.
+
+    A payload that came in several frames is joined into one frame.  Raises ``wire.WireError``
+    for anything that is not one header frame followed by a payload as ``send`` cuts it; the
+    message is consumed either way, so the caller drops it and goes on."""
     frames = sock.recv_multipart(copy=False)
     ident = None
     if with_ident:
@@ -92,9 +243,19 @@ def recv(sock, with_ident=False):
     if not frames:
         raise wire.WireError("empty message")
     header = wire.unpack(frames[0].buffer)
-    payload = frames[1] if len(frames) > 1 else None
-    return ident, header, payload
+    parts = frames[1:]
+    if len(parts) <= 1:
+        return ident, header, parts[0] if parts else None
+    if any(len(p) != FRAME_BYTES for p in parts[:-1]) or not 0 < len(parts[-1]) <= FRAME_BYTES:
+        raise wire.WireError("%r: a payload in %d frames, not cut as the transport cuts one "
+                             "(every frame but the last of %d bytes)" % (header, len(parts),
+                                                                         FRAME_BYTES))
+    return ident, header, zmq.Frame(b"".join(p.buffer for p in parts))
 
 
 def is_interrupted(exc):
     return isinstance(exc, zmq.ZMQError) and exc.errno == errno.EINTR
+
+
+Tally = auth.Tally
+HandshakeWatch = auth.HandshakeWatch
