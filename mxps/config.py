@@ -115,8 +115,9 @@ def _secret(env):
     """The job secret as bytes (b"" when neither variable is set).
 
     MXPS_SECRET holds it; MXPS_SECRET_FILE names a file holding it (surrounding whitespace
-    stripped), which keeps it off command lines: MXNet's ssh launcher writes ``--env``
-    values into the remote command line.  Too short a secret is refused: every node derives
+    stripped), which keeps it off command lines: MXNet's ssh launcher forwards only its own
+    DMLC_* variables (its ``--env`` is for yarn), so the variable goes before the command,
+    ``launch.py --launcher ssh ... MXPS_SECRET_FILE=/path python train.py``.  Too short a secret is refused: every node derives
     its keys from it, and a short one can be guessed by trying handshakes."""
     value, path = _get(env, "MXPS_SECRET"), _get(env, "MXPS_SECRET_FILE")
     if value is not None and path is not None:

@@ -111,9 +111,9 @@ def warn_if_exposed(host, port, who, out=None):
         "mxps WARNING: that port can join the job, read and overwrite its weights and run code\n"
         "mxps WARNING: in this process.  Give every node of the job the same secret:\n"
         "mxps WARNING:   export MXPS_SECRET=$(%s)\n"
-        "mxps WARNING: (MXNet's launcher: launch.py --env MXPS_SECRET:$MXPS_SECRET ..., or a\n"
-        "mxps WARNING: file on every host: --env MXPS_SECRET_FILE:/path); `mxps launch` makes\n"
-        "mxps WARNING: one per job.  See docs/SECURITY.md.\n"
+        "mxps WARNING: (MXNet's local launcher copies the environment; with --launcher ssh put\n"
+        "mxps WARNING: the secret in a file on every host and write MXPS_SECRET_FILE=/path\n"
+        "mxps WARNING: before the command); `mxps launch` makes one per job. docs/SECURITY.md\n"
         % (who, host, port, MAKE_SECRET)) + line)
     out.flush()
     return True
