@@ -600,7 +600,7 @@ def test_listening_beyond_loopback_without_a_secret_warns_once_saying_how_to_set
     assert rc == 0, err
     assert err.count("WITHOUT A JOB SECRET") == 1, err
     assert "server listens on %s:" % addr in err and "export MXPS_SECRET=" in err, err
-    assert "MXPS_SECRET_FILE" in err and "--env MXPS_SECRET" in err, err
+    assert "MXPS_SECRET_FILE=/path" in err and "--launcher ssh" in err, err
     rc, err = runs[True]
     assert rc == 0 and "WARNING" not in err, err
 
