@@ -17,6 +17,10 @@ class ConfigError(ValueError):
 ROLES = ("worker", "server", "scheduler")
 MODES = ("sync", "async")
 PLANS = ("default", "adaptive")
+# where a node can be made to pause for the failure matrix (MXPS_FAULT_POINT, test-only):
+# before its REGISTER, after it before the WELCOME, inside a migration (a server that received
+# a MIGRATE part), inside GET_STATES handling (a server asked for its optimizer states)
+FAULT_POINTS = ("register", "welcome", "migrate", "get_states")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,11 @@ class Config:
     trace: str = ""
     job_info: str = ""
     hwm: int = 1000
+    # test-only fault injection (docs/SETTINGS.md): pause at ``fault_point`` for
+    # ``fault_hold`` seconds after announcing it in ``fault_dir`` (see roles.link.fault_point)
+    fault_point: str = ""
+    fault_hold: float = 60.0
+    fault_dir: str = ""
     # the job secret (MXPS_SECRET / MXPS_SECRET_FILE); empty: unauthenticated.  Never in a
     # repr, so never in a log line or a traceback that prints the Config.
     secret: bytes = dataclasses.field(default=b"", repr=False)
@@ -143,6 +152,22 @@ def _secret(env):
     return secret
 
 
+def _fault(env):
+    """The test-only fault switches (MXPS_FAULT_POINT, MXPS_FAULT_HOLD, MXPS_FAULT_DIR)."""
+    point = (_get(env, "MXPS_FAULT_POINT", "")).lower()
+    if not point:
+        return {}
+    if point not in FAULT_POINTS:
+        raise ConfigError("MXPS_FAULT_POINT=%r: expected one of %s (a test-only switch)"
+                          % (point, ", ".join(FAULT_POINTS)))
+    where = _get(env, "MXPS_FAULT_DIR")
+    if where is None or not os.path.isdir(where):
+        raise ConfigError("MXPS_FAULT_POINT=%s needs MXPS_FAULT_DIR, an existing directory for "
+                          "its marker file (MXPS_FAULT_DIR=%r)" % (point, where))
+    return {"fault_point": point, "fault_hold": _float(env, "MXPS_FAULT_HOLD", 60.0),
+            "fault_dir": where}
+
+
 def pure_python(env=None):
     """MXPS_PURE_PYTHON=1: use the pure-Python twins of the compiled hot paths."""
     return _bool(os.environ if env is None else env, "MXPS_PURE_PYTHON")
@@ -225,6 +250,7 @@ def from_env(env=None, mode=None):
         job_info=_get(env, "MXPS_JOB_INFO", ""),
         hwm=_int(env, "MXPS_HWM", 1000, minimum=16),
         secret=_secret(env),
+        **_fault(env),
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)

@@ -1,5 +1,8 @@
 """Failures end an mxps job with a clear message; nothing hangs; bad input is refused clearly.
 
+The failure matrix (scripts/failure_matrix.py: a worker, server or scheduler killed or frozen at
+a chosen phase, docs/FAILURES.md) runs here as a subset, one trial per cell, with the same code.
+
 Every scenario is a real multi-process job on loopback (tests/jobs/fault_job.py) started by the
 job runner (``mxps_tools.jobs.Job``) but observed rather than run to completion: ``Job.run``
 ends a job as soon as one node exits non-zero, which is exactly what these tests must *not* do
@@ -29,6 +32,24 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cluster  # noqa: E402
 from mxps_tools import jobs as runner  # noqa: E402
+
+
+def _load_matrix():
+    """scripts/failure_matrix.py (a script, not a package module) as a module."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "scripts", "failure_matrix.py")
+    spec = importlib.util.spec_from_file_location("failure_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+matrix = _load_matrix()
+# one trial each: every role, both signals, every phase at least once
+MATRIX_SUBSET = ["worker/before_register/stop", "worker/save_states/kill",
+                 "server/starting/kill", "server/migration/stop",
+                 "scheduler/mid_step/stop", "scheduler/starting/kill"]
 
 FAULT_JOB = os.path.join(cluster.JOBS_DIR, "fault_job.py")
 START_TIMEOUT = 150          # seconds for every node to import mxnet and reach the ready step
@@ -206,6 +227,7 @@ CONFIG_CASES = [
     {"name": "heartbeat_too_short", "env": {"MXPS_HEARTBEAT_TIMEOUT": "1",
                                             "MXPS_HEARTBEAT_INTERVAL": "1"}},
     {"name": "no_scheduler", "env": {"MXPS_START_TIMEOUT": "3"}},
+    {"name": "fault_point_unknown", "env": {"MXPS_FAULT_POINT": "nowhere"}},
 ]
 
 
@@ -234,6 +256,8 @@ SCENARIOS = {
     "disagree": _disagree,
     "config": _config,
 }
+SCENARIOS.update({"matrix:" + c: (lambda c=c: matrix.run_trial(matrix.Cell.parse(c)))
+                  for c in MATRIX_SUBSET})
 
 
 def uses(name):
@@ -249,6 +273,8 @@ def scenarios(request):
     wanted = []
     for item in request.session.items:
         name = getattr(getattr(item, "function", None), "scenario", None)
+        if name == "matrix":
+            name = "matrix:" + item.callspec.params["cell"]
         if item.module is request.module and name and name not in wanted:
             wanted.append(name)
     pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_SCENARIOS)
@@ -323,6 +349,24 @@ def test_killed_scheduler_is_reported_lost_by_every_node_within_30s(scenarios):
     job, victim, killed_at = _result(scenarios, "kill_scheduler")
     _assert_others_fail(job, victim, killed_at,
                         r"lost the scheduler at 127\.0\.0\.1:%d" % job.port, "scheduler")
+
+
+# --------------------------------------------------------------------------------------------
+# 1b. the failure matrix, a subset: a peer killed or frozen at any phase is named by every survivor
+
+@uses("matrix")
+@pytest.mark.parametrize("cell", MATRIX_SUBSET)
+def test_node_killed_or_frozen_at_a_phase_ends_every_survivor_with_code_3_naming_it(scenarios,
+                                                                                    cell):
+    trial = _result(scenarios, "matrix:" + cell)
+    print("\n[mxps failures] matrix %s: %s, last survivor exited %s s after the signal "
+          "(bound %.0f s), trial %.0f s" % (
+              cell, "ok" if trial.ok else "FAILED",
+              "-" if trial.detection is None else "%.1f" % trial.detection, trial.cell.bound,
+              trial.seconds))
+    assert not trial.setup_failed, "the phase was never reached: " + trial.detail
+    assert not trial.hang, "a survivor hangs: " + trial.detail
+    assert trial.ok, trial.detail
 
 
 # --------------------------------------------------------------------------------------------
@@ -501,6 +545,7 @@ def config_results(scenarios):
     ("num_worker_abc", ["DMLC_NUM_WORKER='abc'"]),
     ("no_root_uri", ["DMLC_PS_ROOT_URI is not set"]),
     ("heartbeat_too_short", ["MXPS_HEARTBEAT_TIMEOUT=1", "MXPS_HEARTBEAT_INTERVAL=1"]),
+    ("fault_point_unknown", ["MXPS_FAULT_POINT='nowhere'", "register"]),
 ])
 def test_bad_setting_raises_config_error_naming_the_variable(config_results, case, variables):
     _, results = config_results

@@ -32,6 +32,7 @@ from ..kernels import engine
 from ..placement import plan as plan_mod
 from ..placement.metrics import StepMetrics
 from ..placement.plan import Plan, ProportionalRule, mxnet_default_rule
+from ..roles.link import PeerLostError, fatal
 from ..roles.worker import Client
 from ..wire import frame as wire, typed
 from ..wire.frame import Header, MsgType
@@ -76,9 +77,30 @@ def _client(cfg):
         if c is None:
             logging.basicConfig(level=cfg.log_level,
                                 format="%(asctime)s mxps %(levelname)s %(message)s")
-            c = _runtime["client"] = Client(cfg)
+            try:
+                c = Client(cfg)
+            except PeerLostError:
+                _exit_if_uncaught()
+                raise
+            c = _runtime["client"] = c
             _install_exit_hooks(c)
         return c
+
+
+def _exit_if_uncaught():
+    """A worker that cannot join the job (scheduler lost or silent, start timeout, refused
+    credentials, ABORT during start-up) gets a PeerLostError from ``mx.kv.create``, which a
+    script may catch; if it does not, the process ends as every node that lost a peer does:
+    a one-line message naming the lost node and exit code 3 (EXIT_LOST_PEER), not exit 1 with
+    a traceback through MXNet's kvstore factory."""
+    previous = sys.excepthook
+
+    def excepthook(etype, value, tb):
+        if isinstance(value, PeerLostError):
+            fatal("worker", str(value))
+        previous(etype, value, tb)
+
+    sys.excepthook = excepthook
 
 
 def _install_exit_hooks(client):

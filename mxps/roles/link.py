@@ -110,6 +110,32 @@ def _text(payload, default):
         "utf-8", errors="replace")
 
 
+def fault_point(cfg, point, role, rank=-1):
+    """Test-only fault injection (MXPS_FAULT_POINT, docs/SETTINGS.md): at ``point``, announce it
+    and pause, so the failure matrix (scripts/failure_matrix.py) kills or freezes a node at
+    exactly that phase.  The announcement is the file ``<MXPS_FAULT_DIR>/<point>`` (JSON: role,
+    rank, pid), created exclusively: only the first node of the job to reach the point pauses
+    (for MXPS_FAULT_HOLD seconds, without heartbeating, as a frozen node would), the others go
+    on.  A no-op unless the switch names this point."""
+    if cfg.fault_point != point:
+        return
+    path = os.path.join(cfg.fault_dir, point)
+    try:
+        fd = os.open(path + ".tmp%d" % os.getpid(), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return
+    with os.fdopen(fd, "w") as f:
+        json.dump({"role": role, "rank": rank, "pid": os.getpid(), "point": point}, f)
+    try:
+        os.link(path + ".tmp%d" % os.getpid(), path)    # atomic, fails if another node was first
+    except FileExistsError:
+        return
+    finally:
+        os.remove(path + ".tmp%d" % os.getpid())
+    log.warning("%s %s: MXPS_FAULT_POINT=%s: pausing %.1f s", role, rank, point, cfg.fault_hold)
+    time.sleep(cfg.fault_hold)     # the injected freeze itself (not a wait for anything)
+
+
 def fatal(who, message, code=EXIT_LOST_PEER):
     """Report a job-ending error and leave at once (other threads may be blocked in MXNet)."""
     try:
@@ -161,8 +187,9 @@ class SchedulerLink:
         answered, its silence for MXPS_HEARTBEAT_TIMEOUT ends the wait, naming it."""
         body = json.dumps({"role": self.role, "host": host, "port": port, "pid": os.getpid(),
                            "mode": self.cfg.mode, "start_heartbeats": True}).encode()
-        self.send(MsgType.REGISTER, body)
+        fault_point(self.cfg, "register", self.role)
         deadline = time.monotonic() + self.cfg.start_timeout
+        self.send(MsgType.REGISTER, body)
         self._heard_at_start = False
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -178,17 +205,30 @@ class SchedulerLink:
                     self._check_handshake()
                 if self.sock in events:
                     welcome = self._read_welcome()
+                    if self._heard_at_start:
+                        # the scheduler answered, so it has our REGISTER (test-only pause)
+                        fault_point(self.cfg, "welcome", self.role)
                     if welcome is not None:
                         return welcome
                 elif time.monotonic() >= deadline:
-                    raise PeerLostError(
-                        "no mxps scheduler answered at %s:%d within %.0f s (MXPS_START_TIMEOUT). "
-                        "Is the scheduler running, and does the training script `import mxps` "
-                        "before `import mxnet` (otherwise the scheduler and server processes "
-                        "start MXNet's native roles instead)?"
-                        % (self.cfg.root_uri, self.cfg.root_port, self.cfg.start_timeout))
+                    raise PeerLostError(self._start_timeout_message())
         finally:
             self._handshake.close()
+
+    def _start_timeout_message(self):
+        """Why the start timeout passed.  Blames the import order only when nothing answered
+        at all (a native MXNet scheduler takes the port and never speaks mxps)."""
+        where = "%s:%d" % (self.cfg.root_uri, self.cfg.root_port)
+        if self._heard_at_start:
+            return ("the mxps scheduler at %s did not start the job within %.0f s "
+                    "(MXPS_START_TIMEOUT): it answered but never sent this node its WELCOME; "
+                    "its own log names the nodes that did not register" % (
+                        where, self.cfg.start_timeout))
+        return ("no mxps scheduler answered at %s within %.0f s (MXPS_START_TIMEOUT): the "
+                "scheduler is not running, not reachable, or (if its process runs) the training "
+                "script does not `import mxps` before `import mxnet` (otherwise the scheduler "
+                "and server processes start MXNet's native roles instead)"
+                % (where, self.cfg.start_timeout))
 
     def _start_tick(self, now):
         """During registration: heartbeat when due; a scheduler that answered before and has

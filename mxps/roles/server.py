@@ -141,7 +141,15 @@ class Server:
                 self.drops("refused:%r" % ident, "server %d: refused a message: %s",
                            self.rank, e)
                 continue
+            self._fault(h)
             self._send(self.state.on_request(ident, h, payload))
+
+    def _fault(self, header):
+        """Test-only pauses (MXPS_FAULT_POINT): inside a migration, inside GET_STATES."""
+        if header.type == MsgType.MIGRATE:
+            control.fault_point(self.cfg, "migrate", "server", self.rank)
+        elif header.type == MsgType.GET_STATES:
+            control.fault_point(self.cfg, "get_states", "server", self.rank)
 
     def _serve_scheduler(self):
         for h, payload in self.link.receive():

@@ -13,6 +13,10 @@ Workers do what FAULT_MODE says and report into FAULT_OUT:
                         At the end: ``weights_rank{R}.npz``.
                         FAULT_START_TOGETHER=1: workers wait for each other's mxnet import
                         before registering (for a short MXPS_TIMEOUT on busy machines).
+                        FAULT_SAVE_STATES=1: the optimizer runs on the servers
+                        (update_on_kvstore) and rank 0 saves its states (GET_STATES to every
+                        server) after every step from FAULT_READY_STEPS on (the failure
+                        matrix's save_states phase).
   FAULT_MODE=badinput   tries bad requests on ``mx.kv.create('mxps')`` (unknown key, pull
                         before init, wrong shape / dtype, unsupported dtype), records each
                         exception in ``badinput_rank{R}.json``, then checks that the servers
@@ -64,11 +68,15 @@ def _net():
     return net
 
 
-def _train(kv, steps, on_step=None, step_sleep=0.0):
-    """``steps`` SGD steps through gluon.Trainer on ``kv`` with rank-dependent data."""
+def _train(kv, steps, on_step=None, step_sleep=0.0, save_after=None):
+    """``steps`` SGD steps through gluon.Trainer on ``kv`` with rank-dependent data; with
+    ``save_after``, rank 0 saves the optimizer states after every step from that one on."""
     from mxnet import autograd, gluon
     net = _net()
-    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    kwargs = {} if save_after is None else {"update_on_kvstore": True}
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                            **kwargs)
+    states = os.path.join(OUT, "states_rank%d" % kv.rank)
     rng = np.random.RandomState(100 + kv.rank)
     loss_fn = gluon.loss.L2Loss()
     for step in range(1, steps + 1):
@@ -79,6 +87,8 @@ def _train(kv, steps, on_step=None, step_sleep=0.0):
         loss.backward()
         trainer.step(8)
         mx.nd.waitall()
+        if save_after is not None and kv.rank == 0 and step >= save_after:
+            trainer.save_states(states)
         if on_step is not None:
             on_step(step)
         if step_sleep:
@@ -124,7 +134,8 @@ def run_train():
                                % (rank, step))
 
     _train(kv, _int("FAULT_STEPS", 1000000), on_step,
-           float(os.environ.get("FAULT_STEP_SLEEP", "0") or 0))
+           float(os.environ.get("FAULT_STEP_SLEEP", "0") or 0),
+           save_after=ready_after if os.environ.get("FAULT_SAVE_STATES") == "1" else None)
 
 
 def _attempt(fn):
