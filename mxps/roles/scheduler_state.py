@@ -23,15 +23,21 @@ The protocol:
 - re-plan points (docs/REPLAN.md): every live worker's REPLAN of one round -> the Replanner
   decides -> either the workers are answered at once, or the servers get the PLAN and the
   workers are answered once every server acknowledged it (within MXPS_TIMEOUT).
+- garbage (docs/ROBUSTNESS.md): a body that does not parse or fit (every REPLAN report is
+  checked field by field when it arrives), or a message type the sender's role does not send
+  (``SENDS``), is dropped and counted (``malformed``); messages of connections that are no node
+  are counted (``strangers``) and get nothing (a REGISTER beyond the job's size an ABORT).
+  Nothing a message holds raises out of ``on_message``.
 """
 import ipaddress
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional
 
 from ..placement import adaptive
-from ..placement.plan import table_from_json, table_to_json
+from ..placement.plan import PlanError, check_slices, table_from_json, table_to_json
 from ..wire.frame import Header, MsgType
 from .link import EXIT_LOST_PEER
 
@@ -40,6 +46,13 @@ log = logging.getLogger("mxps.scheduler")
 BARRIER_KEY = -2            # an ACK with this key releases a barrier (SchedulerLink.handle)
 ROLES = ("server", "worker")
 CLEAN_EXIT_REASON = "all workers finished"
+# what each role sends the scheduler once the job has started (anything else from a node is
+# dropped and counted: a server's BARRIER must not open a barrier for a worker)
+SENDS = {"worker": frozenset((MsgType.HEARTBEAT, MsgType.BARRIER, MsgType.BANDWIDTH,
+                              MsgType.REPLAN, MsgType.FINISH, MsgType.ABORT)),
+         "server": frozenset((MsgType.HEARTBEAT, MsgType.PLAN, MsgType.ABORT))}
+# a finished worker only waits for the SHUTDOWN
+AFTER_FINISH = frozenset((MsgType.HEARTBEAT, MsgType.FINISH, MsgType.ABORT))
 
 
 class Send(NamedTuple):
@@ -113,6 +126,83 @@ def _register_info(payload):
     return info
 
 
+def _integer(x, low=0):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) \
+        and x >= 0
+
+
+def read_table(obj, num_servers, what="table"):
+    """A placement table as JSON (``plan.table_to_json``), checked before use: every key's
+    slices are [server, offset, length] integers covering its elements once, in order, on
+    servers 0 .. ``num_servers`` - 1.  Raises ``ValueError`` naming the problem."""
+    if not isinstance(obj, dict):
+        raise ValueError("%s is a %s, not a table" % (what, type(obj).__name__))
+    for k, slices in obj.items():
+        if not isinstance(slices, list) or not all(
+                isinstance(x, list) and len(x) == 3 and all(_integer(v, -2 ** 63) for v in x)
+                for x in slices):
+            raise ValueError("%s: the slices of key %.20r are not [server, offset, length] "
+                             "integers" % (what, k))
+    try:
+        table = table_from_json(obj)
+        for key, slices in table.items():
+            if any(x.length < 0 for x in slices):
+                raise PlanError("key %d has a slice of negative length" % key)
+            check_slices(key, sum(x.length for x in slices), slices, num_servers,
+                         one_per_server=False)
+    except (ValueError, PlanError) as e:          # int() of a key that is not a number
+        raise ValueError("%s: %s" % (what, e)) from None
+    return table
+
+
+def _replan_report(payload, num_servers):
+    """A worker's REPLAN body, checked field by field before anything of it is used: the
+    point's round, whether it is a full one, its traffic per round and server, rank 0's
+    placement (keys, the table in force) and planner options."""
+    report = _json(payload)
+    if not isinstance(report, dict) or not _integer(report.get("round"), -2 ** 63):
+        raise MalformedBody("REPLAN body lacks an integer round")
+
+    def bad(what):
+        return MalformedBody("REPLAN of round %d: %s" % (report["round"], what))
+
+    if not isinstance(report.get("full", True), bool):
+        raise bad("'full' is not true or false")
+    traffic = report.get("traffic", {})
+    if not isinstance(traffic, dict):
+        raise bad("'traffic' is not an object")
+    for r, per in traffic.items():
+        if not (r.lstrip("-").isdigit() and isinstance(per, list) and len(per) == num_servers
+                and all(isinstance(t, list) and len(t) == 2 and all(map(_number, t))
+                        for t in per)):
+            raise bad("the traffic of round %.20r is not [bytes, seconds] for each of %d "
+                      "servers" % (r, num_servers))
+    for name in ("force", "min_slice", "max_chunk", "horizon"):
+        if name in report and not _integer(report[name]):
+            raise bad("%r is not a non-negative integer" % name)
+    if "min_gain" in report and not _number(report["min_gain"]):
+        raise bad("'min_gain' is not a non-negative number")
+    if "table" in report:
+        keys = report.get("keys")
+        if not isinstance(keys, list) or not all(
+                isinstance(k, list) and len(k) == 2 and all(map(_integer, k)) for k in keys) \
+                or len({k for k, _ in keys}) != len(keys):
+            raise bad("'keys' is not a list of distinct [key, elements] integers")
+        try:
+            table = read_table(report["table"], num_servers, "the table in force")
+        except ValueError as e:
+            raise bad(str(e)) from None
+        for k, n in keys:
+            if k in table and sum(x.length for x in table[k]) != n:
+                raise bad("key %d has %d elements, the table in force places %d"
+                          % (k, n, sum(x.length for x in table[k])))
+    return report
+
+
 def address_order(node):
     """Sort key: ranks follow addresses (IP addresses numerically, then port, then pid)."""
     try:
@@ -144,7 +234,8 @@ class SchedulerState:
         self.pending_plan = None   # a plan the servers are moving state for
         self.points = []           # the job facts' "replan_points"
         self.exit = None
-        self.malformed = 0         # message bodies dropped as malformed
+        self.malformed = 0         # messages of nodes dropped as malformed (body, or type)
+        self.strangers = 0         # messages of connections that are not nodes, ignored
         self._now = now
         self._step = None
 
@@ -161,9 +252,17 @@ class SchedulerState:
             elif node is not None:
                 node.last_heard = now
                 if self.started_at is not None:
+                    self._check_sender(node, header)
                     self._on_message(node, header, payload)
                 elif header.type == MsgType.HEARTBEAT:
                     self._send(node, MsgType.HEARTBEAT)   # a node waiting for its WELCOME
+            else:
+                # a connection that is no node of the job (with a secret: one of the job's
+                # processes that never registered); it gets nothing
+                self.strangers += 1
+                if self.strangers <= 10 or self.strangers % 1000 == 0:
+                    log.warning("ignored %s from connection %r, which is not a node of the job "
+                                "(%d so far)", MsgType(header.type).name, ident, self.strangers)
         except MalformedBody as e:
             # a node's own bug, or bytes that are not mxps's: dropped, never fatal
             self.malformed += 1
@@ -172,6 +271,14 @@ class SchedulerState:
                             MsgType(header.type).name, node.describe() if node else ident,
                             self.malformed, e)
         return self._end()
+
+    @staticmethod
+    def _check_sender(node, h):
+        if h.type not in SENDS[node.role]:
+            raise MalformedBody("a %s does not send %s to the scheduler"
+                                % (node.role, MsgType(h.type).name))
+        if node.finished and h.type not in AFTER_FINISH:
+            raise MalformedBody("%s after its FINISH" % MsgType(h.type).name)
 
     def tick(self, now):
         """The passing of time: the start, plan and heartbeat deadlines."""
@@ -312,15 +419,14 @@ class SchedulerState:
         if h.type == MsgType.HEARTBEAT:
             self._send(node, MsgType.HEARTBEAT)
         elif h.type == MsgType.BARRIER:
+            if node in self.barrier_waiting:
+                raise MalformedBody("a second BARRIER before the first was released")
             self.barrier_waiting.append(node)
             self._maybe_release_barrier()
         elif h.type == MsgType.BANDWIDTH:
             self._on_bandwidth(node, self._bandwidth_report(payload))
         elif h.type == MsgType.REPLAN:
-            report = _json(payload)
-            if not isinstance(report, dict) or not isinstance(report.get("round"), int):
-                raise MalformedBody("REPLAN body lacks an integer round")
-            self.replan_reports[node.rank] = report
+            self.replan_reports[node.rank] = _replan_report(payload, self.cfg.num_servers)
             self._maybe_replan()
         elif h.type == MsgType.PLAN:
             ack = _json(payload)
@@ -328,7 +434,8 @@ class SchedulerState:
                 raise MalformedBody("PLAN body is not an object")
             self._on_plan_ack(node, ack)
         elif h.type == MsgType.ABORT:
-            reason = payload.decode() if payload is not None else "unknown error"
+            reason = payload.decode(errors="replace") if payload is not None else \
+                "unknown error"
             self._abort("%s failed: %s" % (node.describe(), reason))
         elif h.type == MsgType.FINISH:
             self._on_finish(node)
@@ -336,12 +443,10 @@ class SchedulerState:
     def _bandwidth_report(self, payload):
         report = _json(payload)
         n = self.cfg.num_servers
-        try:
-            good = all(len(report[k]) == n and all(float(x) >= 0 for x in report[k])
-                       for k in ("bytes", "seconds")) and all(float(x) > 0
-                                                              for x in report["seconds"])
-        except (KeyError, TypeError, ValueError):
-            good = False
+        good = isinstance(report, dict) and all(
+            isinstance(report.get(k), list) and len(report[k]) == n
+            and all(map(_number, report[k])) for k in ("bytes", "seconds")) and all(
+            x > 0 for x in report["seconds"])
         if not good:
             raise MalformedBody("BANDWIDTH body needs 'bytes' and 'seconds' lists of %d "
                                 "numbers (seconds > 0)" % n)
@@ -408,11 +513,26 @@ class SchedulerState:
         if point is None:
             return
         round_, is_full = point
+        self.replan_points += 1
+        try:
+            table, old, full_next = self._decide(round_, is_full, reports)
+        except Exception as e:
+            # every worker waits for an answer: one that the planner cannot decide on keeps
+            # the plan in force (and says so) rather than leave them waiting
+            log.error("round %d: re-plan point failed, plan %d kept: %s: %s", round_,
+                      self.plan_version, type(e).__name__, e)
+            table, full_next = None, True
+        if table is None:
+            self._keep_plan(round_, is_full, full_next)
+        else:
+            self._send_plan(round_, old, table, full_next)
+
+    def _decide(self, round_, is_full, reports):
+        """(new table or None, the table in force, whether the next point must be full)."""
         self.replanner.observe([r.get("traffic", {}) for r in reports.values()])
         lead = reports.get(0) or reports[min(reports)]
         keys, old, opts = self._placement(lead)
         # MXPS_REPLAN_FORCE=N: a forced new table at every N-th point (always a full one)
-        self.replan_points += 1
         every = int(lead.get("force") or 0)
         forced_next = bool(every) and (self.replan_points + 1) % every == 0
         table = None
@@ -421,10 +541,10 @@ class SchedulerState:
                 keys, old, self.plan_version + 1, round_,
                 force=bool(every) and self.replan_points % every == 0, **opts)
         if table is None:
-            self._keep_plan(round_, is_full, forced_next or (
-                keys is not None and self.replanner.wants_point(keys, old, **opts)))
-        else:
-            self._send_plan(round_, old, table, forced_next or self.replanner.suspects_change())
+            return None, old, forced_next or (
+                keys is not None and self.replanner.wants_point(keys, old, **opts))
+        adaptive.moved_bytes(old, table, 4)       # the two tables agree on every key's size
+        return table, old, forced_next or self.replanner.suspects_change()
 
     def _agreed_point(self, reports):
         """(round, full?) of a point every worker reported alike; else abort, naming each."""

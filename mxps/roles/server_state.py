@@ -24,11 +24,15 @@ travels as pickle: migration parts and optimizer states are typed payloads
 left is MXNet's optimizer object (only pickling carries it, as in MXNet's own servers): it is
 read only from worker 0, by an unpickler that resolves nothing but optimizer and learning-rate
 scheduler classes (``_read_optimizer``), and installed only once it is an
-``mxnet.optimizer.Optimizer``.  Keys are initialised once, by worker 0.
+``mxnet.optimizer.Optimizer`` with every attribute a fresh one of its class has.  Keys are
+initialised once, by worker 0.  Nothing a message holds raises out of the three entry points:
+a refusal is an ERROR reply, a message that is nobody's request is dropped and counted
+(``drops``), a PLAN that cannot be applied is reported to the scheduler as a failed plan.
 """
 import io
 import json
 import logging
+import numbers
 import pickle
 import sys
 
@@ -40,6 +44,7 @@ from ..kernels.accum import add_into, copy_into
 from ..placement import plan
 from ..store.memory import MemorySlice
 from ..wire import frame as wire, typed
+from ..wire.auth import Tally
 from ..wire.frame import MsgType
 
 log = logging.getLogger("mxps.server")
@@ -119,7 +124,39 @@ def _read_optimizer(h, payload):
         raise RequestError("SET_OPTIMIZER from worker 0 carries a %s, not an "
                            "mxnet.optimizer.Optimizer; nothing installed"
                            % type(optimizer).__name__)
+    problem = _hollow(optimizer)
+    if problem:
+        raise RequestError("SET_OPTIMIZER from worker 0: the %s is not usable (%s); nothing "
+                           "installed" % (type(optimizer).__name__, problem))
     return optimizer
+
+
+def _blank(cls):
+    """The attributes of a fresh optimizer of ``cls`` (the base class's if ``cls`` needs
+    arguments): what an unpickled one must have too."""
+    try:
+        return vars(cls())
+    except Exception:
+        return vars(mx.optimizer.Optimizer())
+
+
+def _hollow(optimizer):
+    """What an unpickled optimizer lacks that a fresh one of its class has (an attribute, a
+    dict where the fresh one has one, a number or None where it has a number), or None.  A
+    corrupted pickle can still build an ``Optimizer``; installed, it would fail every update of
+    every round (and GET_STATES) instead of being refused once."""
+    have, blank = vars(optimizer), _blank(type(optimizer))
+    missing = sorted(n for n in blank if n not in have and n != "param_dict")
+    if missing:
+        return "no %s" % ", ".join(missing)
+    for name, fresh in blank.items():
+        got = have.get(name)
+        if isinstance(fresh, dict) and not isinstance(got, dict):
+            return "%s is a %s, not a dict" % (name, type(got).__name__)
+        if isinstance(fresh, numbers.Real) and not isinstance(fresh, bool) and \
+                not isinstance(got, (numbers.Real, type(None))):
+            return "%s is a %s, not a number" % (name, type(got).__name__)
+    return None
 
 
 # -- checking typed payloads (they come from authenticated peers, but are checked anyway) -------
@@ -268,6 +305,60 @@ def _read_part(h, payload):
     return part
 
 
+class PlanError(RequestError):
+    """A PLAN whose body is not a plan; ``version`` is its version when that could be read."""
+
+    def __init__(self, message, version=None):
+        super().__init__(message)
+        self.version = version
+
+
+def _read_table(obj, what, num_servers):
+    """A plan table as the scheduler sends it (``plan.table_to_json``), checked: every key's
+    slices cover its elements once, in order, on servers of this job (when known)."""
+    if not isinstance(obj, dict):
+        raise ValueError("%s is not a table" % what)
+    for slices in obj.values():
+        if not isinstance(slices, list) or not all(
+                isinstance(x, list) and len(x) == 3 and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in x) for x in slices):
+            raise ValueError("%s: slices are [server, offset, length] integers" % what)
+    table = plan.table_from_json(obj)
+    for key, slices in table.items():
+        if any(x.length < 0 for x in slices):
+            raise ValueError("%s: key %d has a slice of negative length" % (what, key))
+        size = sum(x.length for x in slices)
+        bound = num_servers if num_servers is not None else \
+            max([x.server for x in slices] + [0]) + 1
+        plan.check_slices(key, size, slices, bound, one_per_server=False)
+    return table
+
+
+def _read_plan(payload, num_servers, current):
+    """(version, old table, new table) of a PLAN body; raises ``PlanError``."""
+    try:
+        body = json.loads(_bytes(payload))
+    except (ValueError, RecursionError, wire.WireError) as e:
+        raise PlanError("the PLAN body is not JSON: %s" % e) from None
+    version = body.get("version") if isinstance(body, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise PlanError("the PLAN body has no version: %.80r" % (body,))
+    if version <= current:
+        raise PlanError("plan %d, but this server is at plan %d already" % (version, current),
+                        version)
+    try:
+        old = _read_table(body.get("old"), "the old table", num_servers)
+        new = _read_table(body.get("new"), "the new table", num_servers)
+    except (ValueError, TypeError, plan.PlanError) as e:
+        raise PlanError("plan %d: %s" % (version, e), version) from None
+    for key, slices in new.items():
+        if key in old and sum(x.length for x in old[key]) != sum(x.length for x in slices):
+            raise PlanError("plan %d: key %d has %d elements in the old table and %d in the "
+                            "new" % (version, key, sum(x.length for x in old[key]),
+                                     sum(x.length for x in slices)), version)
+    return version, old, new
+
+
 def _join_state(parts):
     """The inverse of ``ndview.cut_state`` over consecutive parts."""
     first = parts[0]
@@ -298,10 +389,11 @@ class ServerState:
     """Everything server ``rank`` knows; ``on_request``, ``on_scheduler`` and
     ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
 
-    def __init__(self, rank, num_workers, sync):
+    def __init__(self, rank, num_workers, sync, num_servers=None):
         self.rank = rank
         self.num_workers = num_workers
         self.sync = sync
+        self.num_servers = num_servers   # when known, a plan naming another server is refused
         self.slots = {}            # (key, offset) -> _Slot
         self.updater = None
         self.optimizer = None
@@ -310,6 +402,9 @@ class ServerState:
         self.migration = None      # the re-plan this server is moving state for
         self.early_parts = []      # parts of a plan whose PLAN message has not arrived yet
         self._out = []             # what the message being handled causes
+        # messages that are nobody's request (stray peer replies, PLANs that do not parse):
+        # dropped, counted and logged rate-limited
+        self.drops = Tally(log)
 
     def _flush(self):
         out, self._out = self._out, []
@@ -334,19 +429,40 @@ class ServerState:
         return self._flush()
 
     def on_scheduler(self, h, payload):
-        """A PLAN from the scheduler (its other messages are the link's business)."""
+        """A PLAN from the scheduler (its other messages are the link's business).  A PLAN
+        whose body does not hold a plan changes nothing: it is reported to the scheduler as a
+        failed plan when its version can be read (the scheduler ends the job naming this
+        server, rather than wait for MXPS_TIMEOUT), else dropped and counted (``drops``)."""
         if h.type != MsgType.PLAN:
-            raise ValueError("server state handles PLAN from the scheduler, not %s"
-                             % MsgType(h.type).name)
-        body = json.loads(_bytes(payload))
+            self.drops("scheduler:%d" % h.type, "server %d: dropped %r from the scheduler: "
+                       "only PLAN is the server state's", self.rank, h)
+            return []
         try:
-            self._on_plan(body)
+            version, old, new = _read_plan(payload, self.num_servers, self.plan_version)
+        except PlanError as e:
+            version = e.version
+            if version is None:
+                self.drops("plan", "server %d: dropped a PLAN that does not parse: %s",
+                           self.rank, e)
+                return []
+            self._plan_failed(version, e)
+            return self._flush()
+        try:
+            self._on_plan(version, old, new)
         except Exception as e:
-            self._plan_failed(body.get("version"), e)
+            self._plan_failed(version, e)
         return self._flush()
 
     def on_peer_reply(self, server_rank, h):
-        """Server ``server_rank``'s answer to a part this server sent it."""
+        """Server ``server_rank``'s answer to a part this server sent it: an ACK, or an ERROR
+        that fails the plan.  A message that answers no part in flight to that server (another
+        plan's, a type that is not a reply) is dropped and counted."""
+        mig = self.migration
+        if h.type not in (MsgType.ACK, MsgType.ERROR) or mig is None or \
+                h.plan_version != mig.version or mig.outgoing.get(h.request_id) != server_rank:
+            self.drops("peer:%d" % server_rank, "server %d: dropped %r from server %d: not a "
+                       "reply to a part in flight to it", self.rank, h, server_rank)
+            return []
         try:
             self._on_migrate_reply(h)
         except Exception as e:
@@ -508,11 +624,12 @@ class ServerState:
             _floating(slot.key, wire.dtype_of(slot.dtype_code))
         try:
             _counts(optimizer)
+            updater = mx.optimizer.get_updater(optimizer)
         except (AttributeError, TypeError) as e:
             raise RequestError("SET_OPTIMIZER from worker 0: the %s is not usable (%s); nothing "
                                "installed" % (type(optimizer).__name__, e)) from None
         self.optimizer = optimizer
-        self.updater = mx.optimizer.get_updater(optimizer)
+        self.updater = updater
         self._aliased = set()
         self._reply(client, h, MsgType.ACK, length=0)
 
@@ -588,13 +705,11 @@ class ServerState:
         self._reply(client, h, MsgType.DATA, payload, dtype=wire.NO_DTYPE, length=0)
 
     # -- live re-planning: moving slices between servers (docs/REPLAN.md) ---------------------
-    def _on_plan(self, body):
+    def _on_plan(self, version, old, new):
         """The scheduler's new plan.  Every worker has stopped with nothing in flight, so every
         round is complete: send each new owner its part of this server's old slices (value,
         optimizer state, update count), keep the part that stays, and build each new slice once
         all of its parts are here; then tell the scheduler."""
-        version = body["version"]
-        old, new = plan.table_from_json(body["old"]), plan.table_from_json(body["new"])
         mig = self.migration = _Migration(version)
         self.plan_version = version
         parts = []                         # (destination server, part)
@@ -679,8 +794,13 @@ class ServerState:
                 self._maybe_done(mig)
             except Exception as e:
                 self._plan_failed(mig.version, e)
-        elif h.plan_version > self.plan_version:
-            self.early_parts.append((h.plan_version, part))   # its PLAN is on the way
+        elif h.plan_version == self.plan_version + 1:
+            # its PLAN is on the way (the scheduler sends plan v + 1 once every server has
+            # installed v, so no part can be for a plan further ahead); a part sent again
+            # replaces the first, so they hold at most one copy of each slice
+            self.early_parts = [(v, p) for v, p in self.early_parts
+                                if (p["key"], p["offset"]) != (part["key"], part["offset"])]
+            self.early_parts.append((h.plan_version, part))
             self._reply(client, h, MsgType.ACK, length=0)
         else:
             raise RequestError("a part of key %d for plan %d, but server %d is at plan %d"
@@ -745,7 +865,7 @@ class ServerState:
         if h.type == MsgType.ERROR or mig is None:
             raise RequestError("plan %d: a moved part of key %d was refused" % (
                 h.plan_version, h.key))
-        mig.outgoing.pop(h.request_id, None)
+        del mig.outgoing[h.request_id]
         self._maybe_done(mig)
 
     def _maybe_done(self, mig):

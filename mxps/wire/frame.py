@@ -92,6 +92,10 @@ def dtype_of(code):
         raise WireError("unknown dtype code %d" % code) from None
 
 
+def _type_name(type_):
+    return MsgType(type_).name if type_ in MsgType._value2member_map_ else str(type_)
+
+
 class Header:
     """A decoded header; plain attributes, cheap to build."""
 
@@ -130,7 +134,7 @@ class Header:
             getattr(self, s) == getattr(other, s) for s in self.__slots__)
 
     def __repr__(self):
-        name = MsgType(self.type).name if self.type in MsgType._value2member_map_ else self.type
+        name = _type_name(self.type)
         return ("Header(%s key=%d sender=%d iter=%d plan=%d off=%d len=%d req=%d)"
                 % (name, self.key, self.sender, self.iteration, self.plan_version, self.offset,
                    self.length, self.request_id))
@@ -156,9 +160,17 @@ def unpack(buf):
 
 
 def payload_array(header, frame):
-    """View a DATA/PUSH payload frame as a flat numpy array (no copy); checks its size."""
+    """View a DATA/PUSH payload frame as a flat numpy array (no copy); checks its size.
+    Raises WireError, and nothing else, for any frame that does not fit the header (none at
+    all, a wrong size, a dtype code mxps does not know)."""
     dt = dtype_of(header.dtype)
-    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    if frame is None:
+        raise WireError("key %d: %s without its payload (%d x %s)"
+                        % (header.key, _type_name(header.type), header.length, dt))
+    try:
+        buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    except TypeError as e:
+        raise WireError("key %d: the payload is not a buffer (%s)" % (header.key, e)) from None
     if buf.nbytes != header.length * dt.itemsize:
         raise WireError("key %d: payload has %d bytes, header says %d x %s"
                         % (header.key, buf.nbytes, header.length, dt))
