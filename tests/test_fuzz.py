@@ -604,12 +604,6 @@ def test_the_server_loop_survives_any_reply_of_a_peer_server_and_finishes_its_pl
     assert [json.loads(r[2].bytes) for r in reports] == [{"version": v, "moved_bytes": 16}]
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
-    "mxps/roles/server.py builds ServerState without num_servers, so a PLAN naming a server "
-    "beyond the job reaches Server._peer, whose peer_addrs[rank] raises IndexError out of "
-    "_serve_scheduler (the server dies). Fix: server.py, Server.__init__: "
-    "ServerState(self.rank, welcome['num_workers'], self.cfg.sync, "
-    "num_servers=welcome['num_servers'])"))
 def test_a_plan_naming_a_server_beyond_the_job_fails_the_plan_and_the_server_goes_on(
         live_server):
     srv, sched, _, socks = live_server

@@ -86,7 +86,8 @@ class Server:
         self.rank = welcome["rank"]
         self.num_workers = welcome["num_workers"]
         self.num_servers = welcome["num_servers"]
-        self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync)
+        self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
+                                 num_servers=welcome["num_servers"])
         self.peer_addrs = welcome["servers"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
         self.drops = transport.Tally(log)
