@@ -16,7 +16,7 @@ class ConfigError(ValueError):
 
 ROLES = ("worker", "server", "scheduler")
 MODES = ("sync", "async")
-PLANS = ("default", "adaptive")
+PLANS = ("default", "chunked", "adaptive")
 # where a node can be made to pause for the failure matrix (MXPS_FAULT_POINT, test-only):
 # before its REGISTER, after it before the WELCOME, inside a migration (a server that received
 # a MIGRATE part), inside GET_STATES handling (a server asked for its optimizer states)

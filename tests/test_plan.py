@@ -258,3 +258,23 @@ def test_proportional_rule_gives_the_slow_server_its_share_of_resnet18_like_keys
 def test_proportional_rule_refuses_non_positive_rates():
     with pytest.raises(PlanError, match="positive"):
         ProportionalRule([1.0, 0.0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.integers(0, 10 ** 6), size=st.integers(0, 5 * 10 ** 6),
+       num_servers=st.integers(1, 8), chunk=st.integers(1, 300000))
+def test_chunked_rule_holds_mxnets_elements_on_mxnets_servers_in_chunks(key, size, num_servers,
+                                                                        chunk):
+    from mxps.placement.plan import chunked_rule
+    bound = 1000 * 1000
+    default = mxnet_default_rule(key, size, num_servers, bound)
+    chunks = chunked_rule(chunk)(key, size, num_servers, bound)
+    check_slices(key, size, chunks, num_servers, one_per_server=False)
+    assert all(c.length <= chunk for c in chunks if size)
+
+    def owner(slices, i):
+        return next(s.server for s in slices if s.offset <= i < s.stop)
+    for s in default:      # every element stays on MXNet's server
+        for i in (s.offset, s.offset + s.length // 2, s.stop - 1):
+            if s.length:
+                assert owner(chunks, i) == s.server

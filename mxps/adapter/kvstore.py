@@ -31,7 +31,7 @@ from .. import config
 from ..kernels import engine
 from ..placement import plan as plan_mod
 from ..placement.metrics import StepMetrics
-from ..placement.plan import Plan, ProportionalRule, mxnet_default_rule
+from ..placement.plan import Plan, ProportionalRule, chunked_rule, mxnet_default_rule
 from ..roles.link import PeerLostError, fatal
 from ..roles.worker import Client
 from ..wire import frame as wire, typed
@@ -201,6 +201,8 @@ class MXPS(KVStoreBase):
                                "kvstore cannot join it too" % (self._client.cfg.mode,
                                                                self._cfg.mode))
         rule = mxnet_default_rule
+        if self._cfg.plan == "chunked":
+            rule = chunked_rule(self._cfg.max_chunk)
         self.server_rates = None
         if self._cfg.plan == "adaptive":
             # bandwidth-proportional placement: the first plan from a start-up probe; live

@@ -145,6 +145,24 @@ class Plan:
         return out
 
 
+def chunked_rule(max_chunk):
+    """MXNet's placement with every server's part of a key cut into consecutive chunks of at
+    most ``max_chunk`` elements (``MXPS_PLAN=chunked``): the same servers hold the same
+    elements as under ``mxnet_default_rule``, but a server answers a chunk as soon as every
+    worker pushed it, as the adaptive plan's chunks do.  With it, a comparison against the
+    adaptive plan measures placement alone, not pipelining."""
+    max_chunk = max(0, int(max_chunk))
+
+    def rule(key, size, num_servers, bigarray_bound):
+        out = []
+        for s in mxnet_default_rule(key, size, num_servers, bigarray_bound):
+            n = 1 if not max_chunk else max(1, -(-s.length // max_chunk))
+            bounds = [s.offset + s.length * j // n for j in range(n + 1)]
+            out.extend(Slice(s.server, a, b - a) for a, b in zip(bounds, bounds[1:]))
+        return tuple(out)
+    return rule
+
+
 class ProportionalRule:
     """Bandwidth-proportional placement, decided key by key as keys are initialised.
 
