@@ -198,11 +198,12 @@ class Replanner:
     round's rate of a server is the bytes all workers moved through it over the slowest
     worker's busy span (as the start-up probe); rounds where a server moved under 64 KB are
     not timed.  The estimate is the median of the last ``window`` timed rounds (one noisy
-    round cannot move it); two rounds in a row beyond 1.5x of the round before them, on the
-    same side, are a change of the link: the rounds before the change are forgotten, so the
-    estimate is the two new rounds' mean, not a median half made of the old network; a server
-    whose link got faster is taken as fast as the median of the others (under-used, it would
-    measure its small share's throughput).  Until a server is timed it keeps its start-up
+    round cannot move it); one round beyond 2x of the estimate before it (``JUMP``), or two
+    rounds in a row beyond 1.5x of the round before them on the same side (``DRIFT``), are a
+    change of the link: the rounds before the change are forgotten, so the estimate is the
+    new rounds', not a median half made of the old network; a server whose link got faster
+    is taken as fast as the median of the others (under-used, it would measure its small
+    share's throughput).  Until a server is timed it keeps its start-up
     probe rate (``rates``), or the lowest known rate.
 
     ``decide`` proposes ``split_table`` with the estimated rates and adopts it when the
@@ -249,33 +250,58 @@ class Replanner:
             self.rates = [x if x else min(known) for x in est]
         return self.rates
 
-    def _forget_before_a_change(self, factor=1.5):
-        # two rounds in a row that put a server's rate beyond ``factor`` of the oldest round's,
-        # on the same side, are a change of the link, not noise: forget what came before them
-        if len(self.window) < 3:
+    #: one round this far off the estimate before it is a change of the link, at once
+    JUMP = 2.0
+    #: two rounds in a row this far off the round before them are a change too
+    DRIFT = 1.5
+
+    def _forget_before_a_change(self):
+        """Keep in the window only the rounds of the network as it is now.
+
+        A link that moves in the middle of a round makes that round partly slow (or fast):
+        a 4x drop half-way through a round makes it ~2.5x slower, one late in the round
+        ~1.3x.  So: the newest round this far off the estimate before it (``JUMP``, the
+        median of the older rounds) is a change on its own, and the next round plans with it
+        (waiting for a second round cost every move one more step at the old, wrong plan:
+        measured, 4-6 s steps for every move of a link; docs/REPLAN.md); a smaller drift
+        (``DRIFT``) needs two rounds in a row, so noise of one round moves nothing.  After a
+        change the rounds before it are forgotten."""
+        w = self.window
+        if len(w) < 2:
             return
-        old, a, b = self.window[-3], self.window[-2], self.window[-1]
-        up = [s for s in range(self.num_servers) if None not in (old[s], a[s], b[s]) and
-              a[s] > factor * old[s] and b[s] > factor * old[s]]
-        down = [s for s in range(self.num_servers) if None not in (old[s], a[s], b[s]) and
-                a[s] * factor < old[s] and b[s] * factor < old[s]]
-        if not up and not down:
+        b = w[-1]
+        ref = []                # per server: the estimate before the newest round
+        for s in range(self.num_servers):
+            xs = sorted(x[s] for x in list(w)[:-1] if x[s] is not None)
+            ref.append(xs[len(xs) // 2] if xs else None)
+
+        def off(x, y, factor):
+            return None not in (x, y) and (y > factor * x or y * factor < x)
+        if any(off(ref[s], b[s], self.JUMP) for s in range(self.num_servers)):
+            keep = 1
+        elif len(w) >= 3 and any(off(w[-3][s], w[-2][s], self.DRIFT) and
+                                 off(w[-3][s], b[s], self.DRIFT) and
+                                 (w[-2][s] > w[-3][s]) == (b[s] > w[-3][s])
+                                 for s in range(self.num_servers)):
+            keep, ref = 2, list(w[-3])
+        else:
             return
-        for _ in range(len(self.window) - 2):
-            self.window.popleft()
+        for _ in range(len(w) - keep):
+            w.popleft()
         # A server whose link got faster still holds the small share of its slow days, and a
         # server with little to do measures its throughput, not its link (module docstring):
         # it would climb back one re-plan at a time.  Take it as fast as the median of the
-        # other servers instead; if it is slower than that, its next (loaded) rounds say so.
-        # (A link changes mid-round, so the first new round may be only partly faster: the
-        # latest one decides, once some server's change is certain.)
+        # other servers instead, if it now measures at least a third of that (a server
+        # still far below the others is taken as measured: a share grown after a re-plan
+        # also raises a slow server's throughput, and must not pass for a faster link); if
+        # it is slower than that, its next (loaded) rounds say so.  The latest round decides.
         for s in range(self.num_servers):
-            if None in (old[s], b[s]) or b[s] <= factor * old[s]:
+            if None in (ref[s], b[s]) or b[s] <= self.DRIFT * ref[s]:
                 continue
-            for w in (a, b):
-                others = sorted(x for i, x in enumerate(w) if i != s and x is not None)
-                if others:
-                    w[s] = max(w[s], others[len(others) // 2])
+            for r in list(w):
+                others = sorted(x for i, x in enumerate(r) if i != s and x is not None)
+                if others and r[s] is not None and r[s] * 3 >= others[len(others) // 2]:
+                    r[s] = max(r[s], others[len(others) // 2])
 
     def _evaluate(self, keys, old, min_slice, min_gain, horizon, max_chunk):
         """(proposal, adopt?, makespan before, gain, move cost), or None if nothing to weigh."""
@@ -313,8 +339,9 @@ class Replanner:
 
     def suspects_change(self, factor=1.3):
         """The last timed round put some server beyond ``factor`` of the round before it: what
-        the first half of a change looks like (``_forget_before_a_change`` needs two rounds
-        beyond 1.5x; the lower factor here errs on the side of looking once more)."""
+        the first half of a change looks like (``_forget_before_a_change`` needs one round
+        beyond 2x or two beyond 1.5x; the lower factor here errs on the side of looking once
+        more)."""
         if len(self.window) < 2:
             return False
         a, b = self.window[-2], self.window[-1]
