@@ -18,6 +18,8 @@ runs native dist_sync and mxps side by side on an emulated heterogeneous network
 (mxps_tools.bench).
 
     mxps plot metrics-*.jsonl --out-dir plots/
+    mxps plot --trace /tmp/trace [--around WALL_TIME] [--window 10] --out-dir plots/
+    mxps plot --trace /tmp/trace --summary
 
 The command is never a parameter-server role, even when a job's ``DMLC_ROLE=server`` is in the
 shell: building the parser imports only the tools (``mxps_tools.bench`` and ``jobs``, which import
@@ -95,6 +97,31 @@ def require_matplotlib(what):
         raise SystemExit(2)
 
 
+def cmd_plot(parser, args):
+    if bool(args.metrics) == bool(args.trace):
+        parser.error("give either metrics files or --trace PATH_PREFIX")
+    if not args.trace and (args.summary or args.around is not None):
+        parser.error("--summary and --around go with --trace")
+    if args.window <= 0:
+        parser.error("--window must be positive, got %s" % args.window)
+    from . import plot
+    if args.trace:
+        try:
+            trace = plot.Trace.find(args.trace)
+        except plot.TraceError as e:
+            raise SystemExit("mxps plot: %s" % e)
+        if args.summary:
+            print(plot.format_summary(trace, plot.trace_summary(trace, args.around,
+                                                                args.window)))
+            return 0
+        require_matplotlib("mxps plot --trace")
+        print(plot.plot_trace(trace, args.out_dir, args.around, args.window))
+        return 0
+    require_matplotlib("mxps plot")
+    print(plot.plot(args.metrics, args.out_dir))
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="mxps", description="mxps parameter server tools")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -107,8 +134,20 @@ def main(argv=None):
                         "network (or loopback)")
     from . import bench
     bench.add_arguments(be)
-    pl = sub.add_parser("plot", help="PNGs from MXPS_METRICS files")
-    pl.add_argument("metrics", nargs="+", help="the workers' metrics files")
+    pl = sub.add_parser("plot", help="PNGs from MXPS_METRICS files, or an MXPS_TRACE "
+                        "timeline and summary")
+    pl.add_argument("metrics", nargs="*", help="the workers' metrics files")
+    pl.add_argument("--trace", nargs="+", metavar="PATH_PREFIX",
+                    help="an MXPS_TRACE prefix (its PREFIX.worker<rank> and PREFIX.server<rank> "
+                    "files) or trace files: draw trace.png (a timeline of every request)")
+    pl.add_argument("--around", type=float, metavar="SECONDS",
+                    help="with --trace: centre a --window on this wall time (time.time(), e.g. a "
+                    "rate change from bench.json; below 1e9: seconds since the trace's start)")
+    pl.add_argument("--window", type=float, default=10.0, metavar="S",
+                    help="with --around: seconds shown (default 10)")
+    pl.add_argument("--summary", action="store_true",
+                    help="with --trace: print the per-round, per-server table instead of "
+                    "drawing")
     pl.add_argument("--out-dir", default=".")
     args = p.parse_args(argv)
     if args.cmd == "launch":
@@ -118,10 +157,7 @@ def main(argv=None):
             require_matplotlib("mxps bench (without --no-plots)")
         return bench.main(args)
     if args.cmd == "plot":
-        require_matplotlib("mxps plot")
-        from . import plot
-        print(plot.plot(args.metrics, args.out_dir))
-        return 0
+        return cmd_plot(pl, args)
     return 2
 
 

@@ -29,7 +29,7 @@ from mxnet.kvstore import KVStoreBase
 
 from .. import config
 from ..kernels import engine
-from ..placement import plan as plan_mod
+from ..placement import plan as plan_mod, trace as trace_mod
 from ..placement.metrics import StepMetrics
 from ..placement.plan import Plan, ProportionalRule, chunked_rule, mxnet_default_rule
 from ..roles.link import PeerLostError, fatal
@@ -227,6 +227,12 @@ class MXPS(KVStoreBase):
         self._next_replan = 1 + self._cfg.replan_interval if self._cfg.replanning else None
         self._full_next = True      # the first point is a full one; then the scheduler says
         self._ticket = None         # the scheduler's answer to a light point, still to read
+        self._ticket_round = None   # ... and the round of that point
+        # MXPS_TRACE: this worker's round boundaries and re-plan points, and every plan's
+        # table (placement.trace); None when off
+        trace = self._client.trace
+        self._trace = trace.rows["points"] if trace is not None else None
+        self._trace_plans = trace.plans if trace is not None else None
         self._inflight = 0
         self._idle = threading.Condition()
         self._keys = {}
@@ -311,6 +317,8 @@ class MXPS(KVStoreBase):
             id_ = self._key_id(name)
             size = int(np.prod(v.shape)) if v.shape else 1
             keys.append((_Key(name, id_, v.shape, v.dtype, self._plan.slices(id_, size)), v))
+        if self._trace_plans is not None:
+            self._trace_plans[self._plan.version] = plan_mod.table_to_json(self._plan.table())
         for k, v in keys:
             name = k.name
             self._keys[name] = k
@@ -413,10 +421,16 @@ class MXPS(KVStoreBase):
                 self._idle.notify_all()
 
     # -- live re-planning (docs/REPLAN.md) ---------------------------------------------------
+    def _point(self, kind, r, new_version=None, full=None):
+        """One trace row of this worker's points table (placement.trace)."""
+        self._trace.append((kind, trace_mod.clock(), r, self._plan.version, new_version, full))
+
     def _next_push(self, k):
         k.pushes += 1
         if k.pushes > self._round:
             self._round = k.pushes
+            if self._trace is not None:
+                self._point("round_begin", self._round)
             if self._next_replan is not None and self._round >= self._next_replan:
                 self._next_replan = self._round + self._cfg.replan_interval
                 self._replan(self._round)
@@ -427,13 +441,20 @@ class MXPS(KVStoreBase):
         traffic of the last rounds, and install the plan the scheduler answers with, if any.
         A light point (the scheduler's answer to the last point said no plan change is in
         view, ``MXPS_REPLAN_LIGHT``) only reports and goes on."""
+        tracing = self._trace is not None
+        if tracing:
+            self._point("drain_start", r)
         with self._idle:
             while self._inflight:
                 self._idle.wait(1.0)
+        if tracing:
+            self._point("drain_end", r)
         self._metrics.flush(r)
         if self._ticket is not None:
             answer = self._client.replan_answer(self._ticket)
             self._ticket = None
+            if tracing:
+                self._point("replan_answer", self._ticket_round, self._plan.version, 0)
             self._metrics.agreed = answer.get("rates")
             self._full_next = answer.get("full_next", True)
         full = self._full_next or not self._cfg.replan_light
@@ -446,10 +467,16 @@ class MXPS(KVStoreBase):
             report["keys"] = [[k.id, k.size] for k in self._keys.values()]
             table = self._plan.table()
             report["table"] = plan_mod.table_to_json({i: table[i] for i in ids})
+        if tracing:
+            self._point("replan_sent", r, None, int(full))
         if not full:
             self._ticket = self._client.replan(report, wait=False)
+            self._ticket_round = r
             return
         answer = self._client.replan(report)
+        if tracing:
+            self._point("replan_answer", r, self._plan.version if answer.get("table") is None
+                        else answer["version"], 1)
         self._metrics.agreed = answer.get("rates")
         self._full_next = answer.get("full_next", True)
         if answer.get("table") is None:
@@ -458,6 +485,8 @@ class MXPS(KVStoreBase):
                                          plan_mod.table_from_json(answer["table"]))
         for k in self._keys.values():
             k.slices = self._plan.slices(k.id, k.size)
+        if self._trace_plans is not None:
+            self._trace_plans[self._plan.version] = plan_mod.table_to_json(self._plan.table())
         self._metrics.new_plan(r, self._plan.version, answer.get("moved_bytes", 0))
         log.info("worker %d: plan %d from round %d", self.rank, self._plan.version, r)
 

@@ -23,6 +23,7 @@ import time
 
 import zmq
 
+from ..placement import trace
 from ..wire import frame as wire, tcp as transport
 from ..wire.frame import MsgType
 from . import link as control
@@ -86,8 +87,11 @@ class Server:
         self.rank = welcome["rank"]
         self.num_workers = welcome["num_workers"]
         self.num_servers = welcome["num_servers"]
+        # MXPS_TRACE: the state records every push, round, pull and migration step; the
+        # file is written at the clean shutdown (placement.trace)
+        self.trace = trace.Recorder("server", self.rank) if cfg.trace else None
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
-                                 num_servers=welcome["num_servers"])
+                                 num_servers=welcome["num_servers"], trace=self.trace)
         self.peer_addrs = welcome["servers"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
         self.drops = transport.Tally(log)
@@ -192,7 +196,19 @@ class Server:
             sock.close(linger=0)
         self.sock.close(linger=1000)
         self.link.close()
+        self._write_trace()
         return 0
+
+    def _write_trace(self):
+        if self.trace is None:
+            return
+        try:
+            path = self.trace.write(self.cfg.trace)
+        except OSError as e:
+            log.error("server %d: cannot write the trace (MXPS_TRACE=%s): %s", self.rank,
+                      self.cfg.trace, e)
+            return
+        log.info("server %d: trace written to %s", self.rank, path)
 
 
 def run(cfg):

@@ -3,7 +3,10 @@
 ``ServerState`` holds everything a server knows (its slices, their rounds, waiting pulls, the
 optimizer, the re-plan in progress) and has no sockets and no clock, so every rule below can be
 driven message by message in one process (tests/test_server_state.py); ``mxps.roles.server``
-is the loop that feeds it from the sockets and sends what it returns (``Out``).
+is the loop that feeds it from the sockets and sends what it returns (``Out``).  The one clock
+is a trace's (MXPS_TRACE, ``mxps.placement.trace``): with a ``trace`` recorder the state
+appends a timestamped row for each push, round, pull and migration step; hooks only, nothing
+the state decides depends on them.
 
 Numerics follow MXNet 1.9.1's KVStoreDistServer (src/kvstore/kvstore_dist_server.h):
 - sync mode: the pushes of all DMLC_NUM_WORKER workers for one round of a key are summed
@@ -389,7 +392,7 @@ class ServerState:
     """Everything server ``rank`` knows; ``on_request``, ``on_scheduler`` and
     ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
 
-    def __init__(self, rank, num_workers, sync, num_servers=None):
+    def __init__(self, rank, num_workers, sync, num_servers=None, trace=None):
         self.rank = rank
         self.num_workers = num_workers
         self.sync = sync
@@ -405,6 +408,20 @@ class ServerState:
         # messages that are nobody's request (stray peer replies, PLANs that do not parse):
         # dropped, counted and logged rate-limited
         self.drops = Tally(log)
+        # MXPS_TRACE: a placement.trace.Recorder's "data" and "plan" rows, or None (off)
+        self._trace = self._trace_plan = None
+        if trace is not None:
+            self._trace, self._trace_plan = trace.rows["data"], trace.rows["plan"]
+            self._now = trace.clock
+
+    def _data_row(self, kind, slot, rnd, worker, nbytes, request=-1):
+        self._trace.append((kind, self._now(), rnd, slot.key, slot.offset, slot.length, worker,
+                            nbytes, self.plan_version, request))
+
+    def _plan_row(self, kind, version, key=-1, offset=-1, length=0, peer=-1, nbytes=0,
+                  part=-1):
+        self._trace_plan.append((kind, self._now(), version, key, offset, length, peer, nbytes,
+                                 part))
 
     def _flush(self):
         out, self._out = self._out, []
@@ -447,6 +464,8 @@ class ServerState:
                 return []
             self._plan_failed(version, e)
             return self._flush()
+        if self._trace is not None:
+            self._plan_row("plan_received", version)
         try:
             self._on_plan(version, old, new)
         except Exception as e:
@@ -463,6 +482,10 @@ class ServerState:
             self.drops("peer:%d" % server_rank, "server %d: dropped %r from server %d: not a "
                        "reply to a part in flight to it", self.rank, h, server_rank)
             return []
+        if self._trace is not None:
+            self._plan_row("part_acked" if h.type == MsgType.ACK else "part_refused",
+                           h.plan_version, h.key, h.offset, h.length, server_rank,
+                           part=h.request_id)
         try:
             self._on_migrate_reply(h)
         except Exception as e:
@@ -479,6 +502,9 @@ class ServerState:
                     length=0)
 
     def _send_value(self, client, header, slot):
+        if self._trace is not None:
+            self._data_row("pull_answered", slot, header.iteration, header.sender,
+                           slot.store.snapshot.nbytes, header.request_id)
         self._reply(client, header, MsgType.DATA, slot.store.snapshot, dtype=slot.dtype_code,
                     offset=slot.offset, length=slot.length)
 
@@ -537,6 +563,9 @@ class ServerState:
             raise RequestError("key %d: pushed dtype %s differs from the initialised dtype %s"
                                % (h.key, wire.dtype_of(h.dtype), wire.dtype_of(slot.dtype_code)))
         grad = wire.payload_array(h, payload)
+        if self._trace is not None:
+            self._data_row("push_arrived", slot, h.iteration, h.sender, grad.nbytes,
+                           h.request_id)
         if not self.sync:
             if self.updater is None:
                 raise RequestError("key %d: dist_async needs the optimizer on the servers "
@@ -545,6 +574,9 @@ class ServerState:
             copy_into(rnd.acc, grad)
             self._apply(slot, rnd)
             slot.applied += 1
+            if self._trace is not None:
+                self._data_row("push_applied", slot, h.iteration, h.sender, grad.nbytes,
+                               h.request_id)
         else:
             self._account(slot, h, grad)
         if h.type == MsgType.PUSH:
@@ -575,6 +607,8 @@ class ServerState:
             del slot.rounds[slot.applied + 1]
             self._apply(slot, nxt)
             slot.applied += 1
+            if self._trace is not None:
+                self._data_row("round_complete", slot, slot.applied, -1, nxt.acc.nbytes)
 
     def _new_round(self, slot, grad):
         return _Round(*slot.store.accumulator(grad, self.updater is not None))
@@ -605,6 +639,8 @@ class ServerState:
             self._send_value(client, h, slot)
         else:
             slot.waiting.append((client, h))
+            if self._trace is not None:
+                self._data_row("pull_parked", slot, h.iteration, h.sender, 0, h.request_id)
 
     def _answer_waiting(self, slot):
         if not slot.waiting:
@@ -782,10 +818,16 @@ class ServerState:
         h = wire.Header(MsgType.MIGRATE, key=part["key"], sender=self.rank,
                         plan_version=mig.version, offset=part["offset"],
                         length=part["length"], request_id=mig.next_id)
+        if self._trace is not None:
+            self._plan_row("part_sent", mig.version, h.key, h.offset, h.length, dest,
+                           part["value"].nbytes, mig.next_id)
         self._out.append(Out(Out.PEER, dest, h, typed.pack(part)))
 
     def _on_migrate(self, client, h, payload):
         part = _read_part(h, payload)
+        if self._trace is not None:
+            self._plan_row("part_received", h.plan_version, h.key, h.offset, h.length,
+                           h.sender, part["value"].nbytes, h.request_id)
         mig = self.migration
         if mig is not None and mig.version == h.plan_version:
             self._reply(client, h, MsgType.ACK, length=0)
@@ -859,6 +901,9 @@ class ServerState:
                 _counts(opt)[slot.index] = max(counts)
                 opt.num_update = max(opt.num_update, max(counts))
         self.slots[target] = slot
+        if self._trace is not None:
+            self._plan_row("slice_built", mig.version, key, want.offset, want.length,
+                           nbytes=value.nbytes)
 
     def _on_migrate_reply(self, h):
         mig = self.migration
@@ -872,6 +917,8 @@ class ServerState:
         if mig.done or mig.outgoing or mig.incoming:
             return
         mig.done = True
+        if self._trace is not None:
+            self._plan_row("plan_in_place", mig.version, nbytes=mig.moved)
         self._to_scheduler({"version": mig.version, "moved_bytes": mig.moved})
         log.info("server %d: plan %d in place (%d bytes sent)", self.rank, mig.version,
                  mig.moved)
@@ -879,6 +926,8 @@ class ServerState:
     def _plan_failed(self, version, error):
         # the job cannot go on with a broken placement: the scheduler ends it with this reason
         log.error("server %d: plan %s failed: %r", self.rank, version, error)
+        if self._trace is not None:
+            self._plan_row("plan_failed", version if isinstance(version, int) else -1)
         self._to_scheduler({"version": version,
                             "error": "%s: %s" % (type(error).__name__, error)})
 

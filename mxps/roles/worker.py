@@ -19,12 +19,25 @@ import time
 
 import zmq
 
+from ..placement import trace
 from ..wire import frame as wire, tcp as transport
 from ..wire.frame import Header, MsgType
 from . import link as control
 from .link import SchedulerLink
 
 log = logging.getLogger("mxps.worker")
+
+# MXPS_TRACE: the kinds of a data request's events (placement.trace), by request type and stage
+_QUEUED, _HELD, _RELEASED, _SENT, _ANSWERED = range(5)
+_KINDS = {t: tuple("%s_%s" % (name, stage) for stage in
+                   ("queued", "held", "released", "sent", "acked" if t == MsgType.PUSH
+                    else "answered"))
+          for t, name in ((MsgType.PUSH, "push"), (MsgType.PULL, "pull"),
+                          (MsgType.PUSHPULL, "pushpull"))}
+
+
+def _nbytes(payload):
+    return memoryview(payload).nbytes if payload is not None else 0
 
 
 class RemoteError(RuntimeError):
@@ -85,10 +98,12 @@ class Client:
         self._sleeping = True
         self._finished = False
         self.at_finish = []       # callables run at a clean exit, once MXNet's engine is idle
-        # MXPS_TRACE: every data request's (iteration, server, key, offset, bytes out, sent,
-        # bytes back, answered), written at exit (for timelines; off by default)
-        self._trace = [] if cfg.trace else None
+        # MXPS_TRACE (placement.trace): every event of every data request, written at exit
+        # (for timelines; off by default); the adapter adds its re-plan points to ``trace``
+        self.trace = self._trace = None
         if cfg.trace:
+            self.trace = trace.Recorder("worker", self.rank)
+            self._trace = self.trace.rows["requests"]
             self.at_finish.append(self._write_trace)
         # per round (the workers' push count): per server [bytes, first send, last reply],
         # for the bandwidth estimate (mxps.metrics); the I/O thread writes, others take rounds
@@ -116,6 +131,8 @@ class Client:
         blocking bound could stall the engine threads that submit)."""
         header.request_id = next(self._ids)
         header.sender = self.rank
+        if self._trace is not None:      # before the I/O thread can see it
+            self._record(_QUEUED, server, header, _nbytes(payload))
         self._queue.append((server, header, payload, on_reply, priority))
         self._wake()
 
@@ -271,14 +288,21 @@ class Client:
                 del self.traffic[r]
         return done
 
+    def _record(self, stage, server, h, nbytes):
+        """One trace row of data request ``h`` (to or from ``server``) at ``stage``."""
+        kinds = _KINDS.get(h.type)
+        if kinds is not None:
+            self._trace.append((kinds[stage], trace.clock(), h.iteration, server, h.key,
+                                h.offset, h.length, nbytes, h.plan_version, h.request_id))
+
     def _write_trace(self):
-        path = self.cfg.trace.format(rank=self.rank) if "{rank}" in self.cfg.trace else \
-            "%s.worker%d" % (self.cfg.trace, self.rank)
-        with open(path, "w") as f:
-            json.dump({"rank": self.rank, "columns": ["iteration", "server", "key", "offset",
-                                                      "bytes (negative: reply)", "monotonic",
-                                                      "request"],
-                       "events": self._trace}, f)
+        try:
+            path = self.trace.write(self.cfg.trace)
+        except OSError as e:
+            log.error("mxps worker %d: cannot write the trace (MXPS_TRACE=%s): %s", self.rank,
+                      self.cfg.trace, e)
+            return
+        log.info("worker %d: trace written to %s", self.rank, path)
 
     def _check_overdue(self, now):
         # the oldest outstanding request is the first one in insertion order
@@ -324,6 +348,8 @@ class Client:
                     self._seq += 1
                     heapq.heappush(self._held[server], (-priority, h.key, h.offset, self._seq,
                                                         h, payload, on_reply))
+                    if self._trace is not None:
+                        self._record(_HELD, server, h, _nbytes(payload))
                     continue
                 self._send(server, h, payload, on_reply, 0)
             for sock, i in index.items():
@@ -337,6 +363,8 @@ class Client:
                     n = memoryview(payload).nbytes
                     self._unacked[server] += n
                     self._unacked_count[server] += 1
+                    if self._trace is not None:
+                        self._record(_RELEASED, server, h, n)
                     self._send(server, h, payload, on_reply, n)
             if self.link.sock in events:
                 for h, p in self.link.receive():
@@ -373,10 +401,17 @@ class Client:
                            self.server_addrs[i])
                 continue
             received = time.monotonic()
+            if self._trace is not None:
+                # before the callback, which may complete the last operation (and so let
+                # the training thread exit and write the trace)
+                self._record(_ANSWERED, i, entry[3], len(payload) if payload is not None else 0)
             try:
                 entry[0](h, payload)
             except Exception as e:
                 self._pending[h.request_id] = entry
+                if self._trace is not None:
+                    self._trace.append(("reply_unusable", trace.clock(), h.iteration, i, h.key,
+                                        h.offset, h.length, 0, h.plan_version, h.request_id))
                 self.drops("unusable", "worker %d: dropped server %d's reply %r to %r: %s: %s",
                            self.rank, i, h, entry[3], type(e).__name__, e)
                 continue
@@ -386,9 +421,6 @@ class Client:
             if h.iteration > 0:
                 n = len(payload) if payload is not None else 0
                 self._count(h.iteration, i, n, received)
-                if self._trace is not None:
-                    self._trace.append([h.iteration, i, h.key, h.offset, -n, received,
-                                        h.request_id])
 
     def _send(self, server, h, payload, on_reply, held_bytes):
         if on_reply is not None:
@@ -412,11 +444,8 @@ class Client:
             transport.send(self.servers[server], h, payload, block=False)
         except transport.QueueFull:
             return False
+        if self._trace is not None:
+            self._record(_SENT, server, h, _nbytes(payload))
         if h.iteration > 0:
-            n = memoryview(payload).nbytes if payload is not None else 0
-            now = time.monotonic()
-            self._count(h.iteration, server, n, now)
-            if self._trace is not None:
-                self._trace.append([h.iteration, server, h.key, h.offset, n, now,
-                                    h.request_id])
+            self._count(h.iteration, server, _nbytes(payload), time.monotonic())
         return True
