@@ -171,6 +171,29 @@ def test_replanner_takes_two_rounds_of_a_moderate_drift_as_a_change():
     assert rp.rates == pytest.approx([(1e7 / 1.6 + 1e7 / 1.7) / 2, 1e7])
 
 
+def test_a_link_that_changed_mid_round_is_taken_at_the_rate_of_the_rounds_second_half():
+    rp = Replanner(2, 1)
+    rp.observe([traffic([(1e6, 0.1), (1e6, 0.1)], 3)])            # 10 MB/s each
+    # round 4: server 0's first half at 10 MB/s, its second half at 2.5 MB/s (0.05 s +
+    # 0.2 s): the whole round says 4 MB/s, its second half the new rate
+    rp.observe([{4: [[1e6, 0.25, 5e5, 0.2], [1e6, 0.1, 5e5, 0.05]]}])
+    assert rp.rates == pytest.approx([2.5e6, 1e7])
+    # without a change, the second half is not used (a server's tail also waits for the
+    # slowest worker's pushes: noise, not a link)
+    rp = Replanner(2, 1)
+    rp.observe([traffic([(1e6, 0.1), (1e6, 0.1)], 3)])
+    rp.observe([{4: [[1e6, 0.12, 5e5, 0.1], [1e6, 0.1, 5e5, 0.05]]}])
+    assert rp.rates == pytest.approx([1e7, 1e7])
+
+
+def test_tail_of_is_the_second_half_of_a_rounds_bytes_over_its_time():
+    from mxps.placement.metrics import tail_of
+    marks = [(0.0, 250), (0.1, 500), (0.2, 750), (1.0, 1000)]
+    assert tail_of(marks, 1000, 1.0) == (500, pytest.approx(0.9))
+    assert tail_of([], 0, None) == (0, 0.0)
+    assert tail_of([(0.0, 1000)], 1000, 0.0) == (0, 0.0)
+
+
 def test_replanner_keeps_the_probe_rate_of_a_server_it_cannot_time():
     rp = Replanner(2, 1, rates=[5e6, 5e6])
     rp.observe([traffic([(1e6, 0.1), (1000, 0.1)], 3)])           # server 1: too few bytes

@@ -291,6 +291,16 @@ def report(round_, full=True, force=0, lead=False):
     return r
 
 
+def test_a_point_takes_traffic_with_or_without_the_rounds_second_half():
+    job = started()
+    a, b = report(2), report(2, lead=True)
+    a["traffic"] = {"1": [[1e6, 0.1], [1e6, 0.1]]}
+    b["traffic"] = {"1": [[1e6, 0.1, 5e5, 0.05], [1e6, 0.1, 5e5, 0.05]]}
+    job.send(b"w1", MsgType.REPLAN, a)
+    step = job.send(b"w0", MsgType.REPLAN, b)
+    assert sorted(sent(step, MsgType.REPLAN)) == WORKERS and job.state.malformed == 0
+
+
 def test_a_point_that_keeps_the_plan_releases_every_worker_at_once():
     job = started()
     assert not job.send(b"w1", MsgType.REPLAN, report(2)).sends
@@ -559,6 +569,8 @@ def test_a_malformed_register_is_dropped_and_the_job_still_starts(body):
 @pytest.mark.parametrize("type_,body", [(MsgType.BANDWIDTH, b"{}"),
                                         (MsgType.BANDWIDTH, b'{"bytes": [1], "seconds": [0]}'),
                                         (MsgType.REPLAN, b'{"round": "x"}'),
+                                        (MsgType.REPLAN,            # 3 numbers: neither form
+                                         b'{"round": 2, "traffic": {"1": [[1, 2, 3]]}}'),
                                         (MsgType.PLAN, b"7"), (MsgType.REPLAN, b"\x00")])
 def test_a_malformed_body_from_a_member_is_dropped_not_fatal(type_, body):
     job = Job(make_cfg(workers=1, servers=1))

@@ -232,13 +232,16 @@ class Replanner:
             per = per_round[r]
             if len(per) != len(reports):
                 continue            # not every worker reported this round
-            rates = []
+            rates, tails = [], []
             for s in range(self.num_servers):
                 nbytes = sum(p[s][0] for p in per)
                 span = max(p[s][1] for p in per)
                 rates.append(nbytes / span if nbytes >= self.MIN_BYTES and span > 0 else None)
+                tb = sum(p[s][2] for p in per if len(p[s]) > 2)
+                ts = max((p[s][3] for p in per if len(p[s]) > 2), default=0.0)
+                tails.append(tb / ts if tb >= self.MIN_BYTES / 2 and ts > 0 else None)
             self.window.append(rates)
-            self._forget_before_a_change()
+            self._forget_before_a_change(tails)
         est = list(self.rates) if self.rates else [None] * self.num_servers
         for s in range(self.num_servers):
             xs = sorted(w[s] for w in self.window if w[s] is not None)
@@ -255,7 +258,7 @@ class Replanner:
     #: two rounds in a row this far off the round before them are a change too
     DRIFT = 1.5
 
-    def _forget_before_a_change(self):
+    def _forget_before_a_change(self, tails=None):
         """Keep in the window only the rounds of the network as it is now.
 
         A link that moves in the middle of a round makes that round partly slow (or fast):
@@ -265,7 +268,11 @@ class Replanner:
         (waiting for a second round cost every move one more step at the old, wrong plan:
         measured, 4-6 s steps for every move of a link; docs/REPLAN.md); a smaller drift
         (``DRIFT``) needs two rounds in a row, so noise of one round moves nothing.  After a
-        change the rounds before it are forgotten."""
+        change the rounds before it are forgotten, and a server that changed in the newest
+        round is taken at the rate of that round's second half (``tails``, see
+        ``metrics.tail_of``) if that is further from the old estimate: a link that moved
+        mid-round shows its new rate there, and planning with the whole round's mixed rate
+        would need a second move one round later."""
         w = self.window
         if len(w) < 2:
             return
@@ -277,8 +284,13 @@ class Replanner:
 
         def off(x, y, factor):
             return None not in (x, y) and (y > factor * x or y * factor < x)
-        if any(off(ref[s], b[s], self.JUMP) for s in range(self.num_servers)):
+        jumped = [s for s in range(self.num_servers) if off(ref[s], b[s], self.JUMP)]
+        if jumped:
             keep = 1
+            for s in jumped:
+                t = tails[s] if tails else None
+                if t is not None and (t < b[s] if b[s] < ref[s] else t > b[s]):
+                    b[s] = t
         elif len(w) >= 3 and any(off(w[-3][s], w[-2][s], self.DRIFT) and
                                  off(w[-3][s], b[s], self.DRIFT) and
                                  (w[-2][s] > w[-3][s]) == (b[s] > w[-3][s])

@@ -22,6 +22,21 @@ import time
 MIN_BYTES = 64 * 1024
 
 
+def tail_of(marks, nbytes, last):
+    """(bytes, seconds) of the second half of a round's traffic through one server: from the
+    moment half of its bytes had been moved to its last reply.  A link that changes in the
+    middle of a round shows its new rate there, while the whole round's rate mixes the old
+    and the new one (``adaptive.Replanner`` uses it for a round that changed).  ``marks``:
+    [(time, cumulative bytes), ...] in time order; (0, 0.0) without traffic."""
+    if not marks or not nbytes or last is None:
+        return 0, 0.0
+    half = nbytes / 2.0
+    for t, cum in marks:
+        if cum >= half:
+            return nbytes - cum, max(0.0, last - t)
+    return 0, 0.0
+
+
 class BandwidthEstimate:
     def __init__(self, num_servers, alpha=0.3, initial=None):
         self.alpha = alpha
@@ -93,14 +108,17 @@ class StepMetrics:
         total = sum(t[0] for t in per) or 1
         rates = []
         servers = []
-        for s, (nbytes, first, last) in enumerate(per):
+        tails = []
+        for s, (nbytes, first, last, *marks) in enumerate(per):
             span = (last - first) if first is not None else 0.0
             rate = nbytes / span if nbytes >= MIN_BYTES and span > 0 else None
             rates.append(rate)
+            tails.append(tail_of(marks[0] if marks else [], nbytes, last))
             servers.append({"server": s, "bytes": nbytes, "busy_seconds": round(span, 6),
                             "rate": rate, "share": nbytes / total})
         if self.keep:
-            self.recent[r] = [[x["bytes"], x["busy_seconds"]] for x in servers]
+            self.recent[r] = [[x["bytes"], x["busy_seconds"], tb, round(ts, 6)]
+                              for x, (tb, ts) in zip(servers, tails)]
         est = self.estimate.update(rates)
         for s, rec in enumerate(servers):
             rec["rate_estimate"] = est[s]

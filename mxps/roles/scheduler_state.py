@@ -177,10 +177,10 @@ def _replan_report(payload, num_servers):
         raise bad("'traffic' is not an object")
     for r, per in traffic.items():
         if not (r.lstrip("-").isdigit() and isinstance(per, list) and len(per) == num_servers
-                and all(isinstance(t, list) and len(t) == 2 and all(map(_number, t))
+                and all(isinstance(t, list) and len(t) in (2, 4) and all(map(_number, t))
                         for t in per)):
-            raise bad("the traffic of round %.20r is not [bytes, seconds] for each of %d "
-                      "servers" % (r, num_servers))
+            raise bad("the traffic of round %.20r is not [bytes, seconds] or [bytes, seconds, "
+                      "tail bytes, tail seconds] for each of %d servers" % (r, num_servers))
     for name in ("force", "min_slice", "max_chunk", "horizon"):
         if name in report and not _integer(report[name]):
             raise bad("%r is not a non-negative integer" % name)

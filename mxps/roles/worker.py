@@ -273,15 +273,19 @@ class Client:
         with self.traffic_lock:
             per = self.traffic.get(iteration)
             if per is None:
-                per = self.traffic[iteration] = [[0, None, None] for _ in self.servers]
+                per = self.traffic[iteration] = [[0, None, None, []] for _ in self.servers]
             t = per[server]
             t[0] += nbytes
             if t[1] is None:
                 t[1] = now
             t[2] = now
+            if nbytes:
+                t[3].append((now, t[0]))      # the cumulative bytes over the round, for
+                #                               the rate of its second half (tail_of)
 
     def take_traffic(self, before):
-        """Remove and return {round: per-server [bytes, first, last]} for rounds < before."""
+        """Remove and return {round: per-server [bytes, first, last, [(time, cumulative
+        bytes), ...]]} for rounds < before."""
         with self.traffic_lock:
             done = {r: v for r, v in self.traffic.items() if r < before}
             for r in done:
