@@ -2,57 +2,96 @@
 
 One invocation builds one ``emunet.Topology`` (namespaces ``sched``, ``s0..``, ``w0..``; every
 server and worker link shaped both ways with tbf at ``--rate`` Mbit/s; the scheduler's link,
-which carries only control traffic, unshaped) and runs every system in turn on it with the same
-model, data and seeds (``mxps_tools/bench_job.py``, one process per node, ``mxps_tools.jobs``).
+which carries only control traffic, unshaped) and runs every system on it with the same model,
+data and seeds (``mxps_tools/bench_job.py``, one process per node, ``mxps_tools.jobs``).  Every
+job gets a fresh random job secret (``MXPS_SECRET``, as ``mxps launch`` gives one; native
+ignores it) unless one is set in the environment already.
 
-Scenarios (applied as soon as the scheduler has ranked the servers, i.e. before the first step):
+Systems (``SYSTEMS``): ``native`` (MXNet dist_sync), ``native-p3`` (the same with ps-lite's P3
+van, ``DMLC_PS_VAN_TYPE=p3``), ``mxps-default`` (MXNet's placement with mxps's chunks and send
+window, ``MXPS_PLAN=chunked``: against it ``mxps-adaptive`` isolates placement),
+``mxps-unchunked`` (MXNet's placement, one slot per server part, ``MXPS_PLAN=default``) and
+``mxps-adaptive``; ``NAME:VAR=VALUE`` adds settings to a system (names are sanitised where they
+become file names: anything outside ``[A-Za-z0-9._-]`` becomes ``_``).
+
+What users feel is the headline.  Per run: the **mean step time** over all timed steps (the job's
+time for its N timed steps / N: from the earliest start of the first timed step to the latest
+end of the last one over all workers, slow steps after a change included), the **end-to-end**
+time (launch of the first node to the exit of the last, start-up included), and the median and
+p90 of the workers' step times beside them.  Speedups are by mean step time, against the better
+(lower mean) of ``native`` and ``native-p3`` when both ran (a user picks the faster one), and
+against ``native`` alone.
+
+``--repeat N`` runs everything N times, interleaved and rotated (rep 1: A B C, rep 2: B C A,
+...; with several static ranks the rotation also moves by one per rank, so no system always runs
+first), on the same topology.  Per system the report gives the mean of the per-rep means, their
+min-max and stdev, and the speedup as the ratio of those means with the range of the per-rep
+ratios (rep i's system against rep i's better baseline); ``bench.json`` keeps every run's raw
+record (``systems``, in run order) beside the aggregates (``variants``, ``over_ranks``).
+
+Scenarios (the first rates are set before the job starts, on the server the job will rank as
+predicted, then checked against the ranks the job reports):
 
 - ``homogeneous``: every link at R.
-- ``static``: server *rank* ``--slow-rank`` at R/k (k = ``--slow-factor``).
-- ``dynamic``: the slow link moves to the next server rank every ``--period-steps`` P timed
-  steps (default 8) of worker 0: the bench applies each move when worker 0 reports the step
-  (``BENCH_STEP``), so every system, however fast, sees the same moves at the same steps; the
-  run has max(4P, 3P + 3) timed steps unless ``--steps`` is given (at least 3P + 3).  Moves
-  stop 3 steps before the end, so that the metrics show a step after each (a worker writes a
-  step's line when the next-but-one step starts: the last two steps have none).
-  ``--period SECONDS`` instead moves it every that many seconds from the start (the run still
-  ends after ``--steps`` steps, so a fast system may see fewer moves, and moves during the
-  start-up are seen by no step).
-- ``--schedule FILE``: a JSON list of ``[t, {node: rate}]`` (t seconds from that moment; node a
-  topology name such as ``s1``/``w0`` or ``rank:N`` for server rank N; rate Mbit/s, a
-  ``[up, down]`` pair, or null for unshaped).
+- ``static``: server rank r at R/k (k = ``--slow-factor``), once per rank of ``--slow-rank``: a
+  rank, ``heaviest`` / ``lightest`` (most / fewest bytes under MXNet's placement,
+  ``predicted_elements``), a comma list of those, or ``all`` (the default).  Runs go rep by
+  rep, rank by rank, system by system; the report has one table per rank and the mean over ranks
+  (mean step time, speedup averaged over ranks and its minimum).  ``heaviest``/``lightest`` are
+  resolved before any job from the model's parameter sizes, computed once by building the model
+  in a subprocess (``model_param_sizes``, recorded in bench.json's ``slow_ranks``); every job's
+  own ``BENCH_PARAMS`` must agree, or its run fails.
+- ``dynamic``: the slow link moves to the next server rank every ``--period`` seconds (default
+  15), the clock starting when worker 0 reports its first timed step (start-up is not counted
+  and the moves land at arbitrary moments within steps) and stopping when it reports its last;
+  the first slow link is set before the job starts.  The run has ``--steps`` timed steps
+  (default 24), so a faster system sees fewer moves: the report counts each run's moves within
+  its timed window (``moves``).  ``--period-steps P``
+  instead moves it after every P timed steps of worker 0 (every system sees the same moves at the
+  same steps); that run has max(4P, 3P + 3) timed steps unless ``--steps`` is given (at least
+  3P + 3), and moves stop 3 steps before the end, so that the metrics show a step after each (a
+  worker writes a step's line when the next-but-one step starts: the last two steps have none).
+- ``--schedule FILE``: a JSON list of ``[t, {node: rate}]`` (t seconds from the moment the ranks
+  are predicted, before the start; node a topology name such as ``s1``/``w0`` or ``rank:N`` for
+  server rank N; rate Mbit/s, a ``[up, down]`` pair, or null for unshaped).
 
 Which server has which rank is read from the job, never assumed from start order: mxps's
 scheduler writes the job's ranks as data (``MXPS_JOB_INFO``, a JSON file in the job's log dir:
 each server's rank, host, port and pid); native ps-lite's only record of its assignment is its
 scheduler's log (``PS_VERBOSE=1``: ``assign rank=<id> to node role=server, ip=...``, server rank
-= (id - 8) / 2).  Both order servers by address; the mapping and its source are reported per
-system.
+= (id - 8) / 2); P3 runs the same ps-lite scheduler and logs the same lines (checked on 1.9.1).
+Both order servers by address; the mapping and its source are reported per run.
 
-The bandwidth-optimal bound per step is ``compute + max(W*M / sum of server rates, M / worker
-rate)``, M the model's bytes: with full-duplex links each direction (push, pull) carries W*M over
-the servers' links and M over each worker's link, and no placement can do better than spreading
-that in proportion to server rates.  ``compute`` is measured in the same jobs: before the
-rendezvous, every worker times ``--compute-steps`` steps of a private copy of the model with no
-kvstore (same data, optimizer, and the same W processes competing for the CPU); the median over
-workers and systems is used.
+The **floor** per step is ``max(compute, W*M / sum of server rates, M / slowest worker rate)``,
+M the model's bytes: with full-duplex links each direction (push, pull) carries W*M over the
+servers' links and M over each worker's link, no placement can do better than spreading that in
+proportion to server rates, and no step is faster than its computation (compute and
+communication overlap, so their sum is no floor).  Rates are those in force averaged over the
+run's timed window (in the default dynamic scenario the sum of server rates is constant anyway).
+``compute`` is measured in the same jobs: before the rendezvous, every worker times
+``--compute-steps`` steps of a private copy of the model with no kvstore (same data, optimizer,
+and the same W processes competing for the CPU); the median over workers and runs is used.  The
+report gives ``floor s`` and ``% of floor`` = floor / mean step time.
 
 Shares following the rates (mxps systems): every mxps job runs with ``MXPS_METRICS`` set, so each
-worker writes one JSON line per step (``mxps.metrics``) to
-``metrics-<scenario>-<system>-<rank>.jsonl`` in ``--out-dir``.  From worker rank 0's lines the
-bench draws ``shares-<scenario>-<system>.png`` (each server's share of the step's bytes against
-seconds since the job's start, the rate-proportional target share r_s / sum of server rates of
-the rates in force dashed, rate changes and plan-version changes marked; step seconds below) and
-adds a ``follow`` record to the system: for every rate change after the first, how many steps
-after it the shares came within ``FOLLOW_TOLERANCE`` of the targets (max over servers of share /
-target <= 1.15; step 1 is the first step that ends after the change; null if never before the
-next change or the end of the run).  A step's time is when the rank-0 worker finished it
-(its ``BENCH_STEP`` line), on the same clock as the rate changes.
+worker writes one JSON line per step (``mxps.metrics``) to ``metrics-<run>-<rank>.jsonl`` in
+``--out-dir`` (``<run>`` = ``<variant>[-rep<i>]-<system>``, variant ``static-rank<r>``,
+``dynamic``, ``homogeneous``, ``schedule`` or ``loopback``; ``-rep<i>`` only with --repeat > 1).
+From worker rank 0's lines the bench draws ``shares-<run>.png`` (each server's share of the
+step's bytes against seconds since the job's start, the rate-proportional target share r_s / sum
+of server rates of the rates in force dashed, rate changes and plan-version changes marked; step
+seconds below) and adds a ``follow`` record to the run: for every rate change after the first,
+how many steps after it the shares came within ``FOLLOW_TOLERANCE`` of the targets (max over
+servers of share / target <= 1.15; step 1 is the first step that ends after the change; null if
+never before the next change or the end of the run).  A step's time is when the rank-0 worker
+finished it (its ``BENCH_STEP`` line), on the same clock as the rate changes.
 
 Outputs in ``--out-dir``: ``bench.json`` (every raw step time, the rates applied, tc counters per
 server before/after and sampled during each run, the predicted bytes per server under MXNet's
-placement, CPU per process, the follow records), ``step_times.png``, ``bytes_per_server.png``,
-and per mxps system the metrics files and ``shares-<scenario>-<system>.png``.
+placement, CPU per process, the follow records; the aggregates), per variant
+``step_times[-<variant>].png`` and ``bytes_per_server[-<variant>].png`` of rep 1 (the suffix
+only with several variants), per mxps run the metrics files and ``shares-<run>.png``; job logs
+in ``logs/<variant>[-rep<i>]/<system>/``.
 """
 import argparse
 import ipaddress
@@ -60,7 +99,9 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -74,8 +115,15 @@ SCENARIOS = ("homogeneous", "static", "dynamic")
 QDISC_SAMPLE_SECONDS = 0.5
 #: A server is "following" when its share of the step's bytes is at most this times its target.
 FOLLOW_TOLERANCE = 1.15
-#: dynamic scenario: timed steps between moves of the slow link, unless --period (seconds)
-DEFAULT_PERIOD_STEPS = 8
+#: timed steps per run, unless --steps: static, homogeneous, --schedule, loopback
+DEFAULT_STEPS = 8
+#: dynamic scenario (by wall time): seconds between moves of the slow link, and timed steps
+DEFAULT_PERIOD_SECONDS = 15.0
+DEFAULT_DYNAMIC_STEPS = 24
+#: The baselines speedups are measured against (the better of them, by mean step time).
+BASELINES = ("native", "native-p3")
+#: Seconds to build the model once for its parameter sizes (--slow-rank heaviest/lightest).
+SIZES_TIMEOUT = 300.0
 
 
 class BenchError(RuntimeError):
@@ -97,10 +145,16 @@ class System:
 #: Data-driven: a new placement only adds an entry here.
 SYSTEMS = [
     System("native", "dist_sync", {}, "MXNet dist_sync (ps-lite), MXNet's placement"),
-    System("mxps-default", "mxps", {}, "mxps with MXNet's placement rule"),
+    System("native-p3", "dist_sync", {"DMLC_PS_VAN_TYPE": "p3"},
+           "MXNet dist_sync with ps-lite's P3 van (keys sliced, sent by priority)"),
+    System("mxps-default", "mxps", {"MXPS_PLAN": "chunked"},
+           "mxps with MXNet's placement, mxps's chunks and send window"),
+    System("mxps-unchunked", "mxps", {"MXPS_PLAN": "default"},
+           "mxps with MXNet's placement, one slot per server part"),
     System("mxps-adaptive", "mxps", {"MXPS_PLAN": "adaptive"},
            "mxps with bandwidth-aware placement (issue #4)"),
 ]
+DEFAULT_SYSTEMS = ("native", "native-p3", "mxps-default", "mxps-adaptive")
 
 
 def system_by_name(name: str) -> System:
@@ -126,6 +180,23 @@ def system_by_name(name: str) -> System:
                                description="%s, with %s" % (s.description, ", ".join(settings)))
 
 
+def path_part(name: str) -> str:
+    """``name`` as one safe file-name component: anything outside [A-Za-z0-9._-] becomes '_'
+    (a system's settings hold ':', '=' and '/', which break or escape paths)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return "_" + safe if safe.strip(".") == "" else safe
+
+
+def job_secret_env(system_env, environ=os.environ) -> Dict[str, str]:
+    """``{"MXPS_SECRET": <fresh>}`` for one job, or ``{}`` when the user chose a secret already
+    (MXPS_SECRET or MXPS_SECRET_FILE in the environment or the system's settings), as ``mxps
+    launch`` does: without one every mxps server warns that anyone can talk to it."""
+    for env in (system_env, environ):
+        if env.get("MXPS_SECRET") or env.get("MXPS_SECRET_FILE"):
+            return {}
+    return {"MXPS_SECRET": secrets.token_hex(32)}
+
+
 # --------------------------------------------------------------------------- rank discovery
 
 _NATIVE_ASSIGN = re.compile(r"assign rank=(\d+) to node role=server, ip=([0-9.]+), port=(\d+)")
@@ -137,6 +208,8 @@ def native_server_ranks_from_log(sched_log: str, num_servers: int) -> Optional[L
 
     The log is the only place ps-lite tells which server got which rank (it has no other
     output); mxps's scheduler writes its ranks as data instead (``server_ranks_from_job_info``).
+    P3 (``DMLC_PS_VAN_TYPE=p3``) only changes the van's data path: its scheduler logs the same
+    ``assign rank`` lines (MXNet 1.9.1).
     """
     found = {}
     for m in _NATIVE_ASSIGN.finditer(sched_log):
@@ -176,16 +249,18 @@ def predicted_elements(param_sizes, num_servers, bigarray_bound=1000 * 1000):
     return out
 
 
-def bound_seconds(compute_s, model_bytes, num_workers, server_mbit, worker_mbit, directions=1):
-    """compute + directions * max(W*M / sum(server rates), M / slowest worker rate).
+def floor_seconds(compute_s, model_bytes, num_workers, server_mbit, worker_mbit):
+    """The strict floor of a step: max(compute, W*M / sum(server rates), M / slowest worker
+    rate); rates in Mbit/s (inf: unshaped).
 
-    ``directions=1``: push and pull overlap perfectly on full-duplex links (the strict lower
-    bound); ``directions=2``: push, then pull (what a step costs when one key dominates, since a
-    key's pull waits for every push of it).  Rates in Mbit/s."""
+    Each direction (push, pull) carries W*M over the servers' links and M over each worker's
+    link; on full-duplex links the two directions overlap, and so do computation and
+    communication (gradients of later layers go out while earlier ones are computed), so none
+    of them adds to another: a step takes at least the longest."""
     bps = lambda mbit: mbit * 1e6 / 8.0   # noqa: E731
-    comm = max(num_workers * model_bytes / sum(bps(r) for r in server_mbit),
+    return max(compute_s,
+               num_workers * model_bytes / sum(bps(r) for r in server_mbit),
                model_bytes / bps(min(worker_mbit)))
-    return compute_s + directions * comm
 
 
 def p90(xs) -> float:
@@ -194,6 +269,103 @@ def p90(xs) -> float:
     if len(xs) < 2:
         return xs[0] if xs else float("nan")
     return statistics.quantiles(xs, n=10, method="inclusive")[-1]
+
+
+_SIZES_SCRIPT = r"""
+import json, sys
+sys.argv = ["bench_job", "--kvstore", "local"] + sys.argv[1:]
+from mxps_tools import bench_job as job
+import mxnet as mx, numpy as np
+a = job.ARGS
+net = job.build(a.model, a.classes, a.mlp_hidden)
+net.initialize(mx.init.Xavier(magnitude=2))
+net(mx.nd.zeros((1, 3, a.image_size, a.image_size))).wait_to_read()
+params = net.collect_params()
+print("BENCH_PARAMS " + json.dumps([int(np.prod(params[k].shape)) for k in sorted(params.keys())]))
+"""
+
+
+def model_param_sizes(model, mlp_hidden, image_size, timeout=SIZES_TIMEOUT) -> List[int]:
+    """The model's parameter sizes in kvstore key order, as the bench job prints them
+    (``BENCH_PARAMS``): the job's own ``build`` in a subprocess (MXNet is never imported here),
+    with no job variables (a DMLC_ROLE in the caller's shell would make MXNet's import a role).
+
+    Raises:
+        BenchError: the build failed or printed no sizes.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "MXPS_"))}
+    env.update(jobs.QUIET_ENV)
+    argv = [sys.executable, "-c", _SIZES_SCRIPT, "--model", model, "--mlp-hidden",
+            str(mlp_hidden), "--image-size", str(image_size)]
+    try:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise BenchError("building %s for its parameter sizes (--slow-rank heaviest/lightest) "
+                         "took over %.0f s" % (model, timeout)) from None
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("BENCH_PARAMS ")]
+    if p.returncode != 0 or not lines:
+        raise BenchError("building %s for its parameter sizes (--slow-rank heaviest/lightest) "
+                         "failed (exit %s): %s" % (model, p.returncode, p.stderr[-2000:]))
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def parse_slow_ranks(spec: str, num_servers: int) -> List:
+    """``--slow-rank``: its items (rank numbers, 'heaviest', 'lightest'; 'all' expanded to every
+    rank), in the order given.
+
+    Raises:
+        BenchError: an item is none of these, or a rank outside 0..num_servers-1.
+    """
+    out = []
+    for item in (x.strip() for x in str(spec).split(",")):
+        if item == "all":
+            out += list(range(num_servers))
+        elif item in ("heaviest", "lightest"):
+            out.append(item)
+        elif re.fullmatch(r"\d+", item):
+            if int(item) >= num_servers:
+                raise BenchError("--slow-rank %s: the job has server ranks 0..%d"
+                                 % (item, num_servers - 1))
+            out.append(int(item))
+        else:
+            raise BenchError("--slow-rank %r: expected a server rank, 'heaviest', 'lightest', "
+                             "'all' or a comma list of those" % item)
+    if not out:
+        raise BenchError("--slow-rank %r names no server rank" % spec)
+    return out
+
+
+def resolve_slow_ranks(items, elements=None) -> List[dict]:
+    """``[{"rank", "labels"}]``, one per distinct rank in first-mention order, 'heaviest' /
+    'lightest' resolved from ``elements`` (per server rank under MXNet's placement; the lowest
+    rank on ties)."""
+    out = {}
+    for item in items:
+        label = None
+        if item in ("heaviest", "lightest"):
+            if elements is None:
+                raise BenchError("--slow-rank %s needs the model's parameter sizes" % item)
+            label, ranks = item, range(len(elements))
+            item = max(ranks, key=lambda i: (elements[i], -i)) if label == "heaviest" else \
+                min(ranks, key=lambda i: (elements[i], i))
+        rec = out.setdefault(item, {"rank": item, "labels": []})
+        if label:
+            rec["labels"].append(label)
+    return list(out.values())
+
+
+def plan_runs(systems, variants, repeat) -> List[tuple]:
+    """The run order: ``[(rep, variant, system)]``, rep by rep, variant by variant (static: rank
+    by rank), the systems rotated by one per rep and per variant (rep 1: A B C, rep 2: B C A,
+    ...), so that no system always runs first (the first run of a bench meets a cold machine)."""
+    n = len(systems)
+    out = []
+    for rep in range(repeat):
+        for vi, v in enumerate(variants):
+            k = (rep + vi) % n if n else 0
+            out += [(rep, v, s) for s in systems[k:] + systems[:k]]
+    return out
 
 
 # --------------------------------------------------------------------------- shares vs rates
@@ -272,14 +444,131 @@ def follow_changes(steps, changes, tolerance=FOLLOW_TOLERANCE):
     return out
 
 
+# --------------------------------------------------------------------------- what users feel
+
+def step_summary(workers) -> dict:
+    """Step times of one run from its workers' result lines (``step_seconds``,
+    ``step_start_abs``, ``step_end_abs``): ``mean_s`` = the job's time for its N timed steps / N
+    (earliest start of the first timed step to the latest end of the last, over all workers),
+    ``median_s`` and ``p90_s`` of every worker's step times, the ``window`` and N.
+
+    Raises:
+        BenchError: workers timed different numbers of steps, or none.
+    """
+    counts = {len(w["step_seconds"]) for w in workers}
+    if len(counts) != 1 or not min(counts):
+        raise BenchError("the workers timed %s steps (%s): expected the same number, at "
+                         "least 1" % ([len(w["step_seconds"]) for w in workers],
+                                      ", ".join(w.get("node", "?") for w in workers)))
+    n = counts.pop()
+    t0 = min(w["step_start_abs"][0] for w in workers)
+    t1 = max(w["step_end_abs"][-1] for w in workers)
+    steps = [t for w in workers for t in w["step_seconds"]]
+    return {"timed_steps": n, "window": [t0, t1], "mean_s": (t1 - t0) / n,
+            "median_s": statistics.median(steps), "p90_s": p90(steps)}
+
+
+def job_e2e_seconds(nodes) -> Optional[float]:
+    """Launch of the first node to the exit of the last (``jobs.Node.started`` / ``exited_at``,
+    monotonic): what the job costs its user, start-up and shut-down included; None if a node
+    never started or was not seen exiting."""
+    if not nodes or any(not n.started or n.exited_at is None for n in nodes):
+        return None
+    return max(n.exited_at for n in nodes) - min(n.started for n in nodes)
+
+
+def better_baseline(by_name) -> Optional[str]:
+    """The name of the baseline a user would pick (lowest ``mean_s``) among the BASELINES in
+    ``{name: record}``; None if none of them is there."""
+    have = [by_name[b] for b in BASELINES if by_name.get(b) and by_name[b].get("mean_s")]
+    return min(have, key=lambda r: r["mean_s"])["name"] if have else None
+
+
+def rep_speedups(records) -> None:
+    """Per run (ok records, in place): ``baseline`` (the better baseline of the same rep and
+    variant), ``speedup`` = its mean step time / the run's, ``speedup_vs_native``."""
+    groups = {}
+    for r in records:
+        if r.get("ok"):
+            groups.setdefault((r["rep"], r["variant"]), {})[r["name"]] = r
+    for by in groups.values():
+        best = better_baseline(by)
+        native = by.get("native")
+        for r in by.values():
+            r["baseline"] = best
+            r["speedup"] = by[best]["mean_s"] / r["mean_s"] if best else None
+            r["speedup_vs_native"] = native["mean_s"] / r["mean_s"] if native else None
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def aggregate_runs(records, names) -> List[dict]:
+    """One variant's runs (every rep) summed up per system, in ``names`` order (records after
+    ``rep_speedups``): the mean over ok reps of each run's mean / e2e / median / p90 step time,
+    the min, max and stdev of the means, the mean floor and its share of the mean, the moves
+    seen per rep, and the speedup as the ratio of the means (against the better baseline by
+    mean over reps, and against native) with the range of the per-rep ratios."""
+    out = []
+    for name in names:
+        runs = [r for r in records if r["name"] == name]
+        ok = [r for r in runs if r.get("ok")]
+        means = [r["mean_s"] for r in ok]
+        a = {"name": name, "runs": len(runs), "ok_runs": len(ok),
+             "mean_s": _mean(means), "mean_s_min": min(means) if means else None,
+             "mean_s_max": max(means) if means else None,
+             "mean_s_stdev": statistics.stdev(means) if len(means) > 1 else None,
+             "e2e_s": _mean(r.get("e2e_s") for r in ok),
+             "median_s": _mean(r["median_s"] for r in ok),
+             "p90_s": _mean(r["p90_s"] for r in ok),
+             "floor_s": _mean(r.get("floor_s") for r in ok),
+             "moves": [r.get("moves") for r in ok]}
+        a["floor_share"] = a["floor_s"] / a["mean_s"] if a["floor_s"] and a["mean_s"] else None
+        for key in ("speedup", "speedup_vs_native"):
+            xs = [r[key] for r in ok if r.get(key) is not None]
+            a[key + "_range"] = [min(xs), max(xs)] if xs else None
+        out.append(a)
+    by = {a["name"]: a for a in out}
+    best = better_baseline(by)
+    native = by.get("native")
+    for a in out:
+        a["baseline"] = best
+        a["speedup"] = by[best]["mean_s"] / a["mean_s"] if best and a["mean_s"] else None
+        a["speedup_vs_native"] = native["mean_s"] / a["mean_s"] \
+            if native and native["mean_s"] and a["mean_s"] else None
+    return out
+
+
+def mean_over_ranks(variants, names) -> List[dict]:
+    """Static over several ranks, per system: the mean over ranks of the mean step time, and the
+    speedup (and vs native) averaged over ranks and its minimum; None where a rank has no
+    result for the system (a mean over some ranks only would flatter it)."""
+    out = []
+    for name in names:
+        per = [next((a for a in v["systems"] if a["name"] == name), None) for v in variants]
+        row = {"name": name, "ranks": [v["slow_rank"] for v in variants]}
+        complete = all(a is not None and a["mean_s"] is not None for a in per)
+        row["mean_s"] = statistics.fmean(a["mean_s"] for a in per) if complete else None
+        for key in ("speedup", "speedup_vs_native"):
+            xs = [a[key] for a in per if a is not None and a[key] is not None] if complete else []
+            ok = complete and len(xs) == len(per)
+            row[key + "_mean"] = statistics.fmean(xs) if ok else None
+            row[key + "_min"] = min(xs) if ok else None
+        out.append(row)
+    return out
+
+
 # --------------------------------------------------------------------------- one system run
 
 class _Run:
-    """Follows one system's job: progress, rank discovery, scenario, tc counter samples."""
+    """Follows one run's job: progress, rank discovery, scenario, tc counter samples."""
 
-    def __init__(self, bench, system):
+    def __init__(self, bench, system, variant=None):
         self.b = bench
         self.system = system
+        self.variant = variant or {}    # the scenario variant (static: its slow rank)
         self.ranks = None              # server addresses in rank order
         self.rank_nodes = None         # node name per server rank
         self.rank_source = None
@@ -287,6 +576,9 @@ class _Run:
         self.schedule = None           # the scenario's timed schedule (None: not applied yet)
         self._schedules = []           # (RateSchedule, its events sorted by time)
         self.step_events = []          # (timed steps of worker 0 done, {node: rate}) pending
+        self.clock_events = None       # [(seconds, {node: rate})] from worker 0's 1st timed step
+        self.clock_started_at = None   # unix time worker 0 reported its first timed step
+        self._clock_schedule = None
         self.rate_log = []             # (wall, node, up, down)
         self.rate_events = []          # (wall of its first change, {node: [up, down]})
         self.param_sizes = None
@@ -298,7 +590,9 @@ class _Run:
     def on_poll(self, job):
         b = self.b
         now = time.time()
-        if self.param_sizes is None or b.pbar is not None or self.step_events:
+        clock = self.clock_events or (self._clock_schedule is not None and
+                                      not self._clock_schedule.done)
+        if self.param_sizes is None or b.pbar is not None or self.step_events or clock:
             self._follow_worker(job)
         if self.ranks is None:
             predicted = self.rank_nodes
@@ -331,7 +625,23 @@ class _Run:
                 self._seen_steps += 1
                 if self.b.pbar is not None:
                     self.b.pbar.update(1)
+                if self._seen_steps == self.b.o.warmup + 1 and self.clock_events is not None:
+                    self._start_clock(float(line.split()[3]))
+                if self._seen_steps == self.b.o.warmup + self.b.o.steps and \
+                        self._clock_schedule is not None:
+                    # no moves after the last timed step: they would change nothing measured
+                    self._clock_schedule.stop(raise_errors=False)
         self._fire_step_events()
+
+    def _start_clock(self, t_first):
+        """dynamic (by wall time): start the moves' clock at ``t_first``, when worker 0 ended
+        its first timed step (the line is read up to a poll later: the offsets make up for
+        it); the moves stop when worker 0 ends its last timed step."""
+        lag = max(0.0, time.time() - t_first)
+        events = [(max(0.0, t - lag), ch) for t, ch in self.clock_events]
+        self.clock_events, self.clock_started_at = None, t_first
+        if events:
+            self._clock_schedule = self._start_schedule(events)
 
     def _fire_step_events(self):
         """dynamic (step-driven): apply the moves due after worker 0's timed steps so far."""
@@ -395,12 +705,18 @@ class _Run:
         return spec
 
     def _apply_scenario(self):
+        """The scenario's rates: those due now are applied before this returns (before the job
+        starts: mxps's adaptive placement measures the links at start-up), later ones by a
+        schedule, worker 0's steps (``step_events``) or the clock (``clock_events``)."""
         b = self.b
         events = b.scenario_events(self)
         self.step_events = b.scenario_step_events(self)
+        self.clock_events = b.scenario_clock_events(self) or None
         self.scenario_applied_at = time.time()
         if events:
             self.schedule = self._start_schedule(events)
+            if all(t == 0 for t, _ in events):
+                self.schedule.join(30.0)
 
     def _start_schedule(self, events):
         events = sorted(events, key=lambda e: e[0])      # as RateSchedule orders them
@@ -424,6 +740,7 @@ class _Run:
         self.rate_log.sort(key=lambda e: e[0])
         self.rate_events.sort(key=lambda e: e[0])
         self.step_events = []
+        self.clock_events = None
         if errors:
             raise BenchError("rate schedule failed: %s" % errors[0])
 
@@ -434,22 +751,22 @@ class _Run:
 class Options:
     network: str = "emunet"          # emunet | loopback
     scenario: str = "static"
-    systems: List[str] = dataclasses.field(
-        default_factory=lambda: ["native", "mxps-default", "mxps-adaptive"])
+    systems: List[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_SYSTEMS))
     num_workers: int = 4
     num_servers: int = 4
     model: str = "resnet18_v1"
     mlp_hidden: int = 4096
     batch_size: int = 16
     image_size: int = 32
-    steps: int = 8
+    steps: int = DEFAULT_STEPS
     warmup: int = 2
     compute_steps: int = 3
     rate: float = 400.0
     slow_factor: float = 4.0
-    slow_rank: str = "0"             # a rank, or "heaviest" (most bytes under MXNet's rule)
-    period: Optional[float] = None   # dynamic: seconds between moves; None: by steps
-    period_steps: int = DEFAULT_PERIOD_STEPS
+    slow_rank: str = "all"           # ranks, 'heaviest', 'lightest', a comma list, or 'all'
+    period: Optional[float] = None   # dynamic: seconds between moves (from the 1st timed step)
+    period_steps: Optional[int] = None   # dynamic: timed steps between moves instead
+    repeat: int = 1
     schedule: Optional[list] = None
     timeout: float = 900.0
     out_dir: str = "mxps-bench-out"
@@ -464,6 +781,9 @@ class Bench:
         self.topo = None
         self.pbar = None
         self.results = []
+        self.variants = None
+        self.slow_ranks = None         # how --slow-rank was resolved (bench.json)
+        self.expected_sizes = None     # parameter sizes the slow ranks were resolved from
 
     # ---- network ------------------------------------------------------------------------
     def server_nodes(self):
@@ -485,32 +805,40 @@ class Bench:
         for n, r in self.base_rates().items():
             self.topo.set_rate(n, r)
 
+    # ---- scenarios ----------------------------------------------------------------------
     def scenario_events(self, run: _Run):
+        """The rates set when the ranks are predicted, before the job starts (and, for
+        --schedule, its later events, timed from then)."""
         o = self.o
         if o.schedule is not None:
             return [(float(t), {run.node_of(n): r for n, r in ch.items()})
                     for t, ch in o.schedule]
         if o.scenario == "homogeneous":
             return []
-        slow = o.rate / o.slow_factor
         if o.scenario == "static":
-            return [(0.0, {run.rank_nodes[self.slow_rank(run)]: slow})]
-        if o.period is None:      # step-driven: the first rates now, the moves by steps
-            return [(0.0, self._dynamic_move(run, 0))]
-        events, i = [], 0
-        while i * o.period <= o.timeout:
-            events.append((i * o.period, self._dynamic_move(run, i)))
-            i += 1
-        return events
+            return [(0.0, {run.rank_nodes[run.variant["slow_rank"]]: o.rate / o.slow_factor})]
+        return [(0.0, self._dynamic_move(run, 0))]
 
     def scenario_step_events(self, run: _Run):
-        """dynamic without --period: [(timed steps of worker 0 done, {node: rate})], the
-        slow link's moves after every --period-steps timed steps."""
+        """dynamic with --period-steps P: [(timed steps of worker 0 done, {node: rate})], the
+        slow link's moves after every P timed steps, the last one at least 3 steps before the
+        end."""
         o = self.o
-        if o.schedule is not None or o.scenario != "dynamic" or o.period is not None:
+        if o.schedule is not None or o.scenario != "dynamic" or o.period_steps is None:
             return []
         P = o.period_steps
         return [(i * P, self._dynamic_move(run, i)) for i in range(1, (o.steps - 3) // P + 1)]
+
+    def scenario_clock_events(self, run: _Run):
+        """dynamic by wall time: [(seconds from worker 0's first timed step, {node: rate})], a
+        move every --period seconds for as long as the run may last (the schedule is stopped
+        when the job ends)."""
+        o = self.o
+        if o.schedule is not None or o.scenario != "dynamic" or o.period_steps is not None \
+                or o.period is None:
+            return []
+        return [(i * o.period, self._dynamic_move(run, i))
+                for i in range(1, int(o.timeout // o.period) + 1)]
 
     def _dynamic_move(self, run: _Run, i):
         """The i-th rates of the dynamic scenario: server rank i mod S slow, the previous one
@@ -522,21 +850,40 @@ class Bench:
             ch[run.rank_nodes[(i - 1) % S]] = o.rate
         return ch
 
-    def slow_rank(self, run: _Run):
-        if self.o.slow_rank != "heaviest":
-            r = int(self.o.slow_rank)
-            if not 0 <= r < self.o.num_servers:
-                raise BenchError("--slow-rank %d: the job has servers 0..%d"
-                                 % (r, self.o.num_servers - 1))
-            return r
-        if run.param_sizes is None:
-            return 0
-        el = predicted_elements(run.param_sizes, self.o.num_servers, self.bigarray_bound())
-        return max(range(len(el)), key=lambda i: el[i])
-
     @staticmethod
     def bigarray_bound():
         return int(os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND", 1000 * 1000))
+
+    def make_variants(self, param_sizes=None) -> List[dict]:
+        """The scenario's variants, each run by every system in every rep: static has one per
+        slow rank (``--slow-rank``; 'heaviest'/'lightest' from ``param_sizes``, built here with
+        ``model_param_sizes`` when not given), every other scenario one.  Sets ``variants``
+        and, for static, ``slow_ranks`` (what was resolved, from what)."""
+        o = self.o
+        if o.network != "emunet":
+            self.variants = [{"tag": "loopback", "scenario": "loopback"}]
+        elif o.schedule is not None:
+            self.variants = [{"tag": "schedule", "scenario": "schedule"}]
+        elif o.scenario != "static":
+            self.variants = [{"tag": o.scenario, "scenario": o.scenario}]
+        else:
+            items = parse_slow_ranks(o.slow_rank, o.num_servers)
+            elements, source = None, None
+            if any(isinstance(x, str) for x in items):
+                if param_sizes is None:
+                    param_sizes = model_param_sizes(o.model, o.mlp_hidden, o.image_size)
+                    source = "the model built once in a subprocess (model_param_sizes)"
+                else:
+                    source = "given"
+                self.expected_sizes = list(param_sizes)
+                elements = predicted_elements(param_sizes, o.num_servers, self.bigarray_bound())
+            resolved = resolve_slow_ranks(items, elements)
+            self.slow_ranks = {"spec": o.slow_rank, "resolved": resolved,
+                               "elements_per_rank": elements, "param_sizes_from": source}
+            self.variants = [{"tag": "static-rank%d" % x["rank"], "scenario": "static",
+                              "slow_rank": x["rank"], "slow_rank_labels": x["labels"]}
+                             for x in resolved]
+        return self.variants
 
     # ---- jobs ---------------------------------------------------------------------------
     def job_argv(self, system):
@@ -546,10 +893,25 @@ class Bench:
                 "--image-size", o.image_size, "--steps", o.steps, "--warmup", o.warmup,
                 "--compute-steps", o.compute_steps, "--progress"]
 
-    def run_system(self, system: System):
+    def run_paths(self, variant, rep, system) -> dict:
+        """Where one run's files go (every name component sanitised, ``path_part``): its job
+        logs, its metrics files (``{rank}`` left to format) and its shares plot."""
         o = self.o
+        out = os.path.abspath(o.out_dir)
+        block = variant["tag"] + ("-rep%d" % (rep + 1) if o.repeat > 1 else "")
+        run_id = "%s-%s" % (block, path_part(system.name))
+        return {"run_id": run_id,
+                "log_dir": os.path.join(out, "logs", path_part(block), path_part(system.name)),
+                "metrics": os.path.join(out, "metrics-%s-{rank}.jsonl" % path_part(run_id)),
+                "shares_png": os.path.join(out, "shares-%s.png" % path_part(run_id))}
+
+    def run_system(self, system: System, variant=None, rep=0):
+        o = self.o
+        variant = variant or self.make_variants()[0]
+        paths = self.run_paths(variant, rep, system)
         rec = {"name": system.name, "kvstore": system.kvstore, "env": dict(system.env),
-               "description": system.description}
+               "description": system.description, "rep": rep + 1, "variant": variant["tag"],
+               "slow_rank": variant.get("slow_rank"), "run_id": paths["run_id"]}
         why = system.unavailable()
         if why:
             rec.update(available=False, ok=False, reason=why)
@@ -558,19 +920,18 @@ class Bench:
         # PS_VERBOSE: native's rank assignment is only in its scheduler's log; mxps's
         # scheduler logs its rendezvous and placement decisions at INFO (for the reader)
         role_env = {"scheduler": {"PS_VERBOSE": "1", "MXPS_LOG_LEVEL": "INFO"}}
-        run = _Run(self, system)
-        log_dir = os.path.join(o.out_dir, "logs", system.name)
+        run = _Run(self, system, variant)
+        log_dir = paths["log_dir"]
         env = dict(system.env)
+        env.update(job_secret_env(system.env))       # never into rec: bench.json is shared
         metrics_files = []
         if is_mxps(system):
             # one JSON line per step and worker (mxps.metrics); the files are appended to
-            pattern = os.path.join(os.path.abspath(o.out_dir), "metrics-%s-%s-{rank}.jsonl"
-                                   % (self.scenario_tag(), system.name))
-            metrics_files = [pattern.format(rank=r) for r in range(o.num_workers)]
+            metrics_files = [paths["metrics"].format(rank=r) for r in range(o.num_workers)]
             for f in metrics_files:
                 if os.path.exists(f):
                     os.remove(f)
-            env["MXPS_METRICS"] = pattern
+            env["MXPS_METRICS"] = paths["metrics"]
         if self.topo is not None:
             self.reset_rates()
             before = self.server_counters()
@@ -584,7 +945,8 @@ class Bench:
             run.finish()
         after = self.server_counters() if self.topo is not None else None
         rec.update(ok=res.ok, reason=res.reason, wall_seconds=res.wall_seconds,
-                   job_started_at=res.started_at, log_dir=log_dir)
+                   e2e_s=job_e2e_seconds(res.nodes), job_started_at=res.started_at,
+                   log_dir=log_dir, clock_started_at=run.clock_started_at)
         if not res.ok:
             rec["failure"] = res.describe()
             return rec
@@ -605,27 +967,34 @@ class Bench:
             d["node"] = n.name
             workers.append(d)
         rec["workers"] = workers
+        if self.expected_sizes is not None and workers[0]["param_sizes"] != self.expected_sizes:
+            rec.update(ok=False, reason="the job's parameter sizes (BENCH_PARAMS) differ from "
+                       "those --slow-rank %s was resolved from: %s, not %s"
+                       % (o.slow_rank, workers[0]["param_sizes"], self.expected_sizes))
+            return rec
         rec["server_ranks"] = [{"rank": i, "addr": a, "node": nd} for i, (a, nd) in
                                enumerate(zip(run.ranks or [], run.rank_nodes or []))]
         rec["rank_source"] = run.rank_source
         rec["scenario_applied_at"] = run.scenario_applied_at
         rec["rate_log"] = run.rate_log
         rec["rate_events"] = [[t, ch] for t, ch in run.rate_events]
-        self._step_stats(rec, workers)
+        try:
+            rec.update(step_summary(workers))
+        except BenchError as exc:
+            rec.update(ok=False, reason=str(exc))
+            return rec
+        rec["compute_seconds"] = [t for w in workers for t in w.get("compute_seconds", [])]
+        t0, t1 = rec["window"]
+        # moves of the slow link the timed steps saw (the first rates were set before them)
+        rec["moves"] = sum(1 for t, _ in run.rate_events if t0 < t <= t1)
         self._cpu_stats(rec, res, workers)
         if self.topo is not None:
             rec["qdisc_before"], rec["qdisc_after"] = before, after
             rec["qdisc_samples"] = [[t, c] for t, c in run.samples]
             self._byte_stats(rec, workers, run, before, after)
         if metrics_files:
-            self._follow_stats(rec, res, metrics_files)
+            self._follow_stats(rec, res, metrics_files, paths["shares_png"])
         return rec
-
-    def scenario_tag(self):
-        o = self.o
-        if o.network != "emunet":
-            return "loopback"
-        return "schedule" if o.schedule is not None else o.scenario
 
     def server_rates_at(self, rec, t):
         """Each server rank's rate (Mbit/s, the lower of up/down; inf if unshaped) in force at
@@ -641,7 +1010,7 @@ class Bench:
                     cur[n] = min(vals) if vals else float("inf")
         return [cur[n] for n in nodes]
 
-    def _follow_stats(self, rec, res, metrics_files):
+    def _follow_stats(self, rec, res, metrics_files, png):
         """Shares per step (worker rank 0's metrics) against the rate-proportional targets."""
         t_ref = rec["job_started_at"]
         follow = {"tolerance": FOLLOW_TOLERANCE, "metrics_files": metrics_files,
@@ -697,17 +1066,15 @@ class Bench:
                       st["migration_bytes"], st["shares"]] for st in steps]}
         if self.o.plots:
             from . import plot as plotmod
-            path = os.path.join(self.o.out_dir, "shares-%s-%s.png" % (self.scenario_tag(),
-                                                                     rec["name"]))
+            path = png
             target_steps = []
             if have_rates:
                 for wall in [t_ref] + [w for w, _ in rec.get("rate_events", [])]:
                     target_steps.append((max(wall, t_ref) - t_ref,
                                          targets(self.server_rates_at(rec, wall))))
             plotmod.shares_over_time(
-                path, title="%s, %s: each server's share of the bytes per step (worker rank "
-                            "0) and the rate-proportional target" % (rec["name"],
-                                                                     self.scenario_tag()),
+                path, title="%s: each server's share of the bytes per step (worker rank 0) "
+                            "and the rate-proportional target" % rec["run_id"],
                 t=[st["t"] - t_ref for st in steps], shares=[st["shares"] for st in steps],
                 step_seconds=[st["duration"] for st in steps],
                 targets=target_steps,
@@ -719,14 +1086,6 @@ class Bench:
                 labels=["rank %d (%s)" % (x["rank"], x["node"]) for x in rec["server_ranks"]]
                 if have_rates else None)
             follow["shares_png"] = path
-
-    def _step_stats(self, rec, workers):
-        steps = [t for w in workers for t in w["step_seconds"]]
-        rec["median_s"] = statistics.median(steps)
-        rec["p90_s"] = p90(steps)
-        rec["window"] = [min(w["step_start_abs"][0] for w in workers),
-                         max(w["step_end_abs"][-1] for w in workers)]
-        rec["compute_seconds"] = [t for w in workers for t in w.get("compute_seconds", [])]
 
     def _cpu_stats(self, rec, res, workers):
         t0, t1 = rec["window"]
@@ -771,6 +1130,7 @@ class Bench:
                 "predicted_elements": el[r]})
         rec["bytes_per_server"] = per_rank
 
+
     # ---- whole run ----------------------------------------------------------------------
     def run(self):
         from . import emunet
@@ -780,9 +1140,11 @@ class Bench:
         if o.network == "emunet":
             emunet.check_prerequisites()
             emunet.cleanup_stale(o.netns_prefix)
+        variants = self.make_variants()
+        self.run_order = plan_runs(systems, variants, o.repeat)
         if o.progress:
             from tqdm import tqdm
-            n_avail = sum(1 for s in systems if not s.unavailable())
+            n_avail = sum(1 for _, _, s in self.run_order if not s.unavailable())
             self.pbar = tqdm(total=n_avail * (o.warmup + o.steps), unit="step",
                              desc="mxps bench", file=sys.stderr)
         t_start = time.time()
@@ -793,23 +1155,26 @@ class Bench:
                                      prefix=o.netns_prefix) as topo:
                     self.topo = topo
                     self.addresses = {n: topo.addr(n) for n in nodes}
-                    for s in systems:
-                        self._one(s)
+                    for rep, v, s in self.run_order:
+                        self._one(rep, v, s)
                     self.topo = None
             else:
                 self.addresses = {}
-                for s in systems:
-                    self._one(s)
+                for rep, v, s in self.run_order:
+                    self._one(rep, v, s)
         finally:
             if self.pbar is not None:
                 self.pbar.close()
         self.summary = self._summarise(time.time() - t_start)
         return self.summary
 
-    def _one(self, s):
+    def _one(self, rep, variant, s):
         if self.pbar is not None:
-            self.pbar.set_postfix_str(s.name)
-        self.results.append(self.run_system(s))
+            self.pbar.set_postfix_str("%s %s%s" % (s.name, variant["tag"], " rep %d" % (rep + 1)
+                                                   if self.o.repeat > 1 else ""))
+        rec = self.run_system(s, variant, rep)
+        rec["order"] = len(self.results)
+        self.results.append(rec)
 
     def _summarise(self, wall):
         o = self.o
@@ -817,27 +1182,32 @@ class Bench:
         compute = [t for r in ok for t in r.get("compute_seconds", [])]
         compute_s = statistics.median(compute) if compute else None
         model_bytes = ok[0]["workers"][0]["bytes"] if ok else None
-        native = next((r for r in ok if r["name"] == "native"), None)
         for r in ok:
-            r["speedup_vs_native"] = (native["median_s"] / r["median_s"]) if native else None
             if o.network == "emunet" and compute_s is not None:
                 srv, wrk = self._average_rates(r)
-                r["bound_s"] = bound_seconds(compute_s, model_bytes, o.num_workers, srv, wrk)
-                r["bound_serial_s"] = bound_seconds(compute_s, model_bytes, o.num_workers, srv,
-                                                    wrk, directions=2)
-                r["bound_rates_mbit"] = {"servers": srv, "workers_min": min(wrk)}
-                r["bound_share"] = r["bound_s"] / r["median_s"]
+                r["floor_s"] = floor_seconds(compute_s, model_bytes, o.num_workers, srv, wrk)
+                r["floor_rates_mbit"] = {"servers": srv, "workers_min": min(wrk)}
+                r["floor_share"] = r["floor_s"] / r["mean_s"]
+        rep_speedups(self.results)
+        names = list(dict.fromkeys(o.systems))
+        variants = [dict(v, systems=aggregate_runs(
+            [r for r in self.results if r["variant"] == v["tag"]], names))
+            for v in self.variants or []]
+        static = [v for v in variants if v["scenario"] == "static"]
         return {
-            "version": 1, "options": dataclasses.asdict(o), "wall_seconds": wall,
+            "version": 2, "options": dataclasses.asdict(o), "wall_seconds": wall,
             "host": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
             "addresses": getattr(self, "addresses", {}),
             "model": {"name": o.model, "bytes": model_bytes,
                       "param_sizes": ok[0]["workers"][0]["param_sizes"] if ok else None},
             "compute_seconds_median": compute_s,
-            "bound_formula": "compute + max(W*M/sum(server rates), M/min(worker rate)) (push and "
-                             "pull overlapped; bound_serial_s: x2 for push then pull), rates "
-                             "time-averaged over each system's timed window",
-            "systems": self.results}
+            "floor_formula": "max(compute, W*M/sum(server rates), M/min(worker rate)), rates "
+                             "time-averaged over each run's timed window",
+            "slow_ranks": self.slow_ranks,
+            "run_order": [[r["rep"], r["variant"], r["name"]] for r in self.results],
+            "systems": self.results,
+            "variants": variants,
+            "over_ranks": mean_over_ranks(static, names) if len(static) > 1 else None}
 
     def _average_rates(self, rec):
         """Time-averaged server rates and worker rates (Mbit/s, one direction: the lower of
@@ -875,51 +1245,92 @@ def _fmt(fmt, value):
     return "-" if value is None else fmt % value
 
 
-def format_table(summary) -> str:
-    """The bench's report: the scenario, then per system step times against the bound, bytes
-    per server, how the shares followed the rates, CPU per process (tables)."""
-    o = summary["options"]
-    emu = o["network"] == "emunet"
-    lines = []
-    if emu:
-        sc = "--schedule" if o["schedule"] is not None else o["scenario"]
-        lines.append("scenario %s: %d workers x %d servers, %s, links %g Mbit/s%s%s"
-                     % (sc, o["num_workers"], o["num_servers"], o["model"], o["rate"],
-                        "" if sc == "homogeneous" else
-                        ", slow link %g Mbit/s (R/%g)" % (o["rate"] / o["slow_factor"],
-                                                          o["slow_factor"]),
-                        "" if sc != "dynamic" else
-                        ", moving every %g s" % o["period"] if o.get("period") is not None
-                        else ", moving every %d timed steps" % o.get("period_steps", 0)))
+def _speedup_cell(value, rng, repeat):
+    if value is None:
+        return "-"
+    if repeat > 1 and rng:
+        return "%.2fx (%.2f-%.2f)" % (value, rng[0], rng[1])
+    return "%.2fx" % value
+
+
+def _moves_cell(moves):
+    moves = [m for m in moves if m is not None]
+    if not moves:
+        return "-"
+    return str(moves[0]) if min(moves) == max(moves) else "%d-%d" % (min(moves), max(moves))
+
+
+def _options_line(o) -> str:
+    if o["network"] != "emunet":
+        return "loopback (127.0.0.1, no shaping): %d workers x %d servers, %s" % (
+            o["num_workers"], o["num_servers"], o["model"])
+    sc = "--schedule" if o["schedule"] is not None else o["scenario"]
+    text = "scenario %s: %d workers x %d servers, %s, links %g Mbit/s" % (
+        sc, o["num_workers"], o["num_servers"], o["model"], o["rate"])
+    if sc in ("static", "dynamic"):
+        text += ", slow link %g Mbit/s (R/%g)" % (o["rate"] / o["slow_factor"], o["slow_factor"])
+    if sc == "static":
+        text += " on each server rank of --slow-rank %s in turn" % o["slow_rank"]
+    elif sc == "dynamic" and o.get("period_steps") is not None:
+        text += ", moving to the next server rank every %d timed steps" % o["period_steps"]
+    elif sc == "dynamic":
+        text += ", moving to the next server rank every %g s from worker 0's first timed " \
+                "step" % o["period"]
+    return text
+
+
+def _variant_title(v, aggs) -> str:
+    if v["scenario"] == "static":
+        labels = v.get("slow_rank_labels") or []
+        title = "static, server rank %d slow%s" % (
+            v["slow_rank"], " (%s)" % ", ".join(labels) if labels else "")
+    elif v["scenario"] == "dynamic":
+        title = "dynamic (moves: how many the timed steps saw; a faster run sees fewer when " \
+                "they are timed in seconds)"
     else:
-        lines.append("loopback (127.0.0.1, no shaping): %d workers x %d servers, %s"
-                     % (o["num_workers"], o["num_servers"], o["model"]))
-    mb = summary["model"]["bytes"]
-    if mb:
-        lines.append("model %.1f MB; compute-only step (median) %s s"
-                     % (mb / 1e6, _fmt("%.3f", summary["compute_seconds_median"])))
-    ok = [r for r in summary["systems"] if r.get("ok")]
-    lines.append("")
-    lines.append(_table([[r["name"], "%.3f" % r["median_s"], "%.3f" % r["p90_s"],
-                          _fmt("%.2fx", r.get("speedup_vs_native")),
-                          _fmt("%.3f", r.get("bound_s")),
-                          _fmt("%.0f%%", 100 * r["bound_share"] if r.get("bound_share")
-                               else None),
-                          _fmt("%.3f", r.get("bound_serial_s"))] for r in ok],
-                        ["system", "median s", "p90 s", "speedup", "bound s", "share",
-                         "serial s"]))
-    for r in summary["systems"]:
-        if not r.get("available", True):
-            lines.append("%s: not available: %s" % (r["name"], r["reason"]))
-        elif not r.get("ok"):
-            lines.append("%s: FAILED: %s" % (r["name"], r["reason"]))
-    if emu and ok:
-        lines.append("")
+        title = v["tag"]
+    base = next((a["baseline"] for a in aggs if a.get("baseline")), None)
+    return title + ("; speedup against %s" % base if base else "; no baseline ran")
+
+
+def _variant_table(v, repeat) -> str:
+    headers = ["system", "mean s", "e2e s", "median s", "p90 s"]
+    if repeat > 1:
+        headers += ["mean min-max", "sd"]
+    headers += ["speedup", "vs native", "floor s", "% of floor"]
+    dynamic = v["scenario"] == "dynamic"
+    if dynamic:
+        headers.append("moves")
+    rows = []
+    for a in v["systems"]:
+        if not a["ok_runs"]:
+            continue
+        row = [a["name"] + ("" if a["ok_runs"] == a["runs"] else
+                            " (%d/%d ok)" % (a["ok_runs"], a["runs"])),
+               "%.3f" % a["mean_s"], _fmt("%.1f", a["e2e_s"]), "%.3f" % a["median_s"],
+               "%.3f" % a["p90_s"]]
+        if repeat > 1:
+            row += ["%.3f-%.3f" % (a["mean_s_min"], a["mean_s_max"]),
+                    _fmt("%.3f", a["mean_s_stdev"])]
+        row += [_speedup_cell(a["speedup"], a["speedup_range"], repeat),
+                _speedup_cell(a["speedup_vs_native"], a["speedup_vs_native_range"], repeat),
+                _fmt("%.3f", a["floor_s"]),
+                _fmt("%.0f%%", None if a["floor_share"] is None else 100 * a["floor_share"])]
+        if dynamic:
+            row.append(_moves_cell(a["moves"]))
+        rows.append(row)
+    return _table(rows, headers)
+
+
+def _details(runs, cpus) -> List[str]:
+    """Bytes per server, shares following the rates and CPU per process of some runs."""
+    lines = []
+    if runs and runs[0].get("bytes_per_server") is not None:
         lines.append("bytes per server per step, MB into (push) / out of (pull) each server")
-        lines.append("(predicted: W x bytes under MXNet's placement; *: link changed by the "
-                     "scenario)")
+        lines.append("(predicted: W x bytes under MXNet's placement, which native-p3 and "
+                     "mxps-adaptive do not follow; *: link changed by the scenario)")
         rows = []
-        for r in ok:
+        for r in runs:
             changed = {e[1] for e in r.get("rate_log", [])}
             for b in r.get("bytes_per_server", []):
                 rows.append([r["name"], b["rank"], b["node"] + ("*" if b["node"] in changed
@@ -929,7 +1340,7 @@ def format_table(summary) -> str:
         lines.append(_table([[str(c) for c in row] for row in rows],
                             ["system", "rank", "node", "in MB", "out MB", "predicted MB",
                              "rank read from"]))
-    fol = [r for r in ok if r.get("follow")]
+    fol = [r for r in runs if r.get("follow")]
     if fol:
         lines.append("")
         lines.append("shares of the bytes per step vs rate-proportional targets (worker rank "
@@ -951,55 +1362,118 @@ def format_table(summary) -> str:
         if rows:
             lines.append(_table(rows, ["system", "steps after each change",
                                        "share/target at the end", "plan versions"]))
-    if ok:
+    runs = [r for r in runs if r.get("cpu")]
+    if runs:
         lines.append("")
         lines.append("CPU during the timed steps, %% of one core per process; all: %% of the "
-                     "machine's %d cores" % (summary["host"]["cpus"] or 0))
-        names = [n for n in ok[0]["cpu"]]
+                     "machine's %d cores" % cpus)
+        names = [n for n in runs[0]["cpu"]]
         order = {"scheduler": 0, "server": 1, "worker": 2}
-        names.sort(key=lambda n: (order.get(ok[0]["cpu"][n]["role"], 3), len(n), n))
+        names.sort(key=lambda n: (order.get(runs[0]["cpu"][n]["role"], 3), len(n), n))
         rows = []
-        for r in ok:
+        for r in runs:
             shares = [r["cpu"].get(n, {}).get("cpu_share_window") for n in names]
             rows.append([r["name"]] + [_fmt("%.0f", None if s is None else 100 * s)
                                        for s in shares]
                         + ["%.0f%%" % (100 * r["cpu_machine_share"])])
         lines.append(_table(rows, ["system"] + names + ["all"]))
+    return lines
+
+
+def format_table(summary) -> str:
+    """The bench's report: the scenario; per variant (static: per slow rank) each system's mean
+    step time, end-to-end time, median and p90, speedups and the floor (over reps when
+    --repeat); static over several ranks, the mean over ranks; failed runs; then rep 1's bytes
+    per server, how the shares followed the rates and CPU per process, per variant."""
+    o = summary["options"]
+    repeat = o.get("repeat", 1)
+    lines = [_options_line(o)]
+    mb = summary["model"]["bytes"]
+    if mb:
+        lines.append("model %.1f MB; compute-only step (median) %s s; %d timed steps per run%s"
+                     % (mb / 1e6, _fmt("%.3f", summary["compute_seconds_median"]), o["steps"],
+                        "; %d reps, systems interleaved, their order rotated" % repeat
+                        if repeat > 1 else ""))
+    lines.append("mean s: the job's time for its timed steps / their number (every worker, "
+                 "slow steps included); e2e s: launch to exit; speedup: by mean step time, "
+                 "against the better of %s%s; %% of floor: floor / mean" % (
+                     " and ".join(BASELINES),
+                     " (ranges: per-rep ratios)" if repeat > 1 else ""))
+    for v in summary["variants"]:
+        lines.append("")
+        lines.append(_variant_title(v, v["systems"]))
+        lines.append(_variant_table(v, repeat))
+    over = summary.get("over_ranks")
+    if over:
+        lines.append("")
+        lines.append("static, mean over server ranks %s (speedups: mean and minimum over ranks)"
+                     % ", ".join(str(r) for r in over[0]["ranks"]))
+        rows = [[r["name"], _fmt("%.3f", r["mean_s"]),
+                 _fmt("%.2fx", r["speedup_mean"]), _fmt("%.2fx", r["speedup_min"]),
+                 _fmt("%.2fx", r["speedup_vs_native_mean"]),
+                 _fmt("%.2fx", r["speedup_vs_native_min"])] for r in over]
+        lines.append(_table(rows, ["system", "mean s", "speedup", "min", "vs native", "min"]))
+    bad = [r for r in summary["systems"] if not r.get("ok")]
+    if bad:
+        lines.append("")
+    for r in bad:
+        what = r.get("run_id", r["name"])
+        if not r.get("available", True):
+            lines.append("%s: not available: %s" % (what, r["reason"]))
+        else:
+            lines.append("%s: FAILED: %s" % (what, r["reason"]))
+    for v in summary["variants"]:
+        runs = [r for r in summary["systems"] if r.get("ok") and r.get("variant") == v["tag"]
+                and r.get("rep", 1) == 1]
+        if runs:
+            lines.append("")
+            lines.append("--- %s, rep 1 ---" % v["tag"])
+            lines += _details(runs, summary["host"]["cpus"] or 0)
     return "\n".join(lines)
 
 
+def _plot_name(base, v, variants):
+    return "%s.png" % base if len(variants) == 1 else "%s-%s.png" % (base, path_part(v["tag"]))
+
+
 def plot(summary, out_dir):
+    """Per variant, rep 1: step times over wall time per system, bytes into each server per
+    step (``step_times[-<variant>].png``, ``bytes_per_server[-<variant>].png``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ok = [r for r in summary["systems"] if r.get("ok")]
-    if not ok:
-        return []
     paths = []
-    fig, axes = plt.subplots(len(ok), 1, figsize=(9, 2.8 * len(ok)), squeeze=False)
-    for ax, r in zip(axes[:, 0], ok):
-        t_ref = r["job_started_at"]
-        for w in r["workers"]:
-            ax.plot([t - t_ref for t in w["step_end_abs"]], w["step_seconds"], ".-",
-                    label=w["node"], alpha=0.7)
-        for wall, node, up, down in r.get("rate_log", []):
-            ax.axvline(wall - t_ref, color="red", ls="--", lw=0.8)
-            ax.annotate("%s %s" % (node, "%g" % up if up else "unshaped"),
-                        (wall - t_ref, ax.get_ylim()[1]), fontsize=7, color="red",
-                        rotation=90, va="top")
-        if r.get("bound_s"):
-            ax.axhline(r["bound_s"], color="gray", ls=":", label="bound")
-        ax.set_title("%s: step time over wall time" % r["name"], fontsize=9)
-        ax.set_xlabel("seconds since job start")
-        ax.set_ylabel("s/step")
-        ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    p = os.path.join(out_dir, "step_times.png")
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    paths.append(p)
-    have_bytes = [r for r in ok if r.get("qdisc_samples")]
-    if have_bytes:
+    for v in summary["variants"]:
+        ok = [r for r in summary["systems"] if r.get("ok") and r.get("variant") == v["tag"]
+              and r.get("rep", 1) == 1]
+        if not ok:
+            continue
+        fig, axes = plt.subplots(len(ok), 1, figsize=(9, 2.8 * len(ok)), squeeze=False)
+        for ax, r in zip(axes[:, 0], ok):
+            t_ref = r["job_started_at"]
+            for w in r["workers"]:
+                ax.plot([t - t_ref for t in w["step_end_abs"]], w["step_seconds"], ".-",
+                        label=w["node"], alpha=0.7)
+            for wall, node, up, down in r.get("rate_log", []):
+                ax.axvline(wall - t_ref, color="red", ls="--", lw=0.8)
+                ax.annotate("%s %s" % (node, "%g" % up if up else "unshaped"),
+                            (wall - t_ref, ax.get_ylim()[1]), fontsize=7, color="red",
+                            rotation=90, va="top")
+            ax.axhline(r["mean_s"], color="black", ls="-", lw=0.8, label="mean")
+            if r.get("floor_s"):
+                ax.axhline(r["floor_s"], color="gray", ls=":", label="floor")
+            ax.set_title("%s, %s: step time over wall time" % (r["name"], v["tag"]), fontsize=9)
+            ax.set_xlabel("seconds since job start")
+            ax.set_ylabel("s/step")
+            ax.legend(fontsize=7, loc="upper right")
+        fig.tight_layout()
+        p = os.path.join(out_dir, _plot_name("step_times", v, summary["variants"]))
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        paths.append(p)
+        have_bytes = [r for r in ok if r.get("qdisc_samples")]
+        if not have_bytes:
+            continue
         fig, axes = plt.subplots(len(have_bytes), 1, figsize=(9, 2.8 * len(have_bytes)),
                                  squeeze=False)
         for ax, r in zip(axes[:, 0], have_bytes):
@@ -1014,13 +1488,13 @@ def plot(summary, out_dir):
                         label="rank %d (%s)" % (b["rank"], b["node"]))
                 ax.axhline(b["predicted_per_step"] / 1e6, ls=":", lw=0.8,
                            color=ax.lines[-1].get_color())
-            ax.set_title("%s: bytes into each server per step (dotted: MXNet placement "
-                         "prediction)" % r["name"], fontsize=9)
+            ax.set_title("%s, %s: bytes into each server per step (dotted: MXNet placement "
+                         "prediction)" % (r["name"], v["tag"]), fontsize=9)
             ax.set_xlabel("timed step (worker 0)")
             ax.set_ylabel("MB")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        p = os.path.join(out_dir, "bytes_per_server.png")
+        p = os.path.join(out_dir, _plot_name("bytes_per_server", v, summary["variants"]))
         fig.savefig(p, dpi=90)
         plt.close(fig)
         paths.append(p)
@@ -1036,8 +1510,12 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--scenario", choices=SCENARIOS, default="static")
     p.add_argument("--schedule", metavar="FILE",
                    help="JSON [[t, {node|rank:N: Mbit/s}], ...]; replaces the scenario")
-    p.add_argument("--systems", default="native,mxps-default,mxps-adaptive",
-                   help="comma-separated, from: %s" % ", ".join(s.name for s in SYSTEMS))
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="comma-separated, from: %s (NAME:VAR=VALUE adds settings)"
+                        % ", ".join(s.name for s in SYSTEMS))
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run everything N times, the systems interleaved and their order "
+                        "rotated per rep; the report gives mean, min-max and stdev over reps")
     p.add_argument("-n", "--num-workers", type=int, default=4)
     p.add_argument("-s", "--num-servers", type=int, default=4)
     p.add_argument("--model", choices=MODELS, default="resnet18_v1")
@@ -1045,31 +1523,48 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per system (default 8; dynamic: 4 x --period-steps)")
+                   help="timed steps per run (default %d; dynamic: %d, or with --period-steps "
+                        "P: max(4P, 3P + 3))" % (DEFAULT_STEPS, DEFAULT_DYNAMIC_STEPS))
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compute-steps", type=int, default=3,
-                   help="compute-only steps per worker (for the bound)")
+                   help="compute-only steps per worker (for the floor)")
     p.add_argument("--rate", type=float, default=400.0, help="link rate R, Mbit/s")
     p.add_argument("--slow-factor", type=float, default=4.0, help="k: the slow link is R/k")
-    p.add_argument("--slow-rank", default="0", help="server rank made slow (static), or "
-                   "'heaviest' (most bytes under MXNet's placement)")
-    p.add_argument("--period-steps", type=int, default=DEFAULT_PERIOD_STEPS,
-                   help="dynamic: the slow link moves to the next server rank after every this "
-                        "many timed steps of worker 0 (every system sees the same moves at the "
-                        "same steps), until 3 steps before the end; the run has 4x this many "
-                        "timed steps (at least 3x + 3: three moves) unless --steps is given")
+    p.add_argument("--slow-rank", default="all",
+                   help="static: the server rank made slow, 'heaviest' / 'lightest' (most / "
+                        "fewest bytes under MXNet's placement), a comma list of those, or "
+                        "'all' (default): the scenario runs once per rank")
     p.add_argument("--period", type=float, default=None, metavar="SECONDS",
-                   help="dynamic: move the slow link every SECONDS from the job's start instead "
-                        "(the run still ends after --steps steps, so a fast system may see "
-                        "fewer than 3 moves)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per system")
+                   help="dynamic: the slow link moves to the next server rank every SECONDS "
+                        "(default %g), from worker 0's first timed step; a faster system sees "
+                        "fewer moves in its --steps" % DEFAULT_PERIOD_SECONDS)
+    p.add_argument("--period-steps", type=int, default=None, metavar="P",
+                   help="dynamic: move the slow link after every P timed steps of worker 0 "
+                        "instead (every system sees the same moves at the same steps), until 3 "
+                        "steps before the end; the run has max(4P, 3P + 3) timed steps unless "
+                        "--steps is given (at least 3P + 3: three moves)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--out-dir", default="mxps-bench-out")
     p.add_argument("--netns-prefix", default="mxps-", help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quick", action="store_true",
-                   help="2 workers x 2 servers, static, a small MLP, few steps (< 3 min; "
-                        "with --scenario dynamic 4 x --period-steps steps)")
+                   help="2 workers x 2 servers, a small MLP, few steps (static on both ranks: "
+                        "< 3 min; with --scenario dynamic %d steps, a move every %g s)"
+                        % (DEFAULT_DYNAMIC_STEPS, DEFAULT_PERIOD_SECONDS))
+
+
+def _check_systems(names):
+    """Every name is a system; no two runs share a name or, once sanitised, a file name."""
+    for s in names:
+        system_by_name(s)
+    seen = {}
+    for s in names:
+        other = seen.setdefault(path_part(s), s)
+        if other != s or names.count(s) > 1:
+            raise BenchError("--systems names %s twice%s: give every system once, with "
+                             "distinct settings" % (s, "" if other == s else
+                                                    " (as %r, in file names)" % other))
 
 
 def options_from_args(a) -> Options:
@@ -1077,16 +1572,16 @@ def options_from_args(a) -> Options:
                 systems=[s.strip() for s in a.systems.split(",") if s.strip()],
                 num_workers=a.num_workers, num_servers=a.num_servers, model=a.model,
                 mlp_hidden=a.mlp_hidden, batch_size=a.batch_size, image_size=a.image_size,
-                steps=Options.steps if a.steps is None else a.steps, warmup=a.warmup,
+                steps=DEFAULT_STEPS if a.steps is None else a.steps, warmup=a.warmup,
                 compute_steps=a.compute_steps, rate=a.rate,
                 slow_factor=a.slow_factor, slow_rank=a.slow_rank, period=a.period,
-                period_steps=a.period_steps,
+                period_steps=a.period_steps, repeat=a.repeat,
                 timeout=a.timeout, out_dir=a.out_dir, netns_prefix=a.netns_prefix,
                 progress=not a.no_progress, plots=not a.no_plots)
     if a.quick:
         # quick values replace the defaults only: explicit options still win
-        quick = dict(num_workers=2, num_servers=2, scenario="static", model="mlp",
-                     mlp_hidden=512, steps=8, warmup=2, compute_steps=2, timeout=120.0)
+        quick = dict(num_workers=2, num_servers=2, model="mlp", mlp_hidden=512, warmup=2,
+                     compute_steps=2, timeout=120.0)
         default = Options()
         for k, v in quick.items():
             if getattr(o, k) == getattr(default, k):
@@ -1101,8 +1596,13 @@ def options_from_args(a) -> Options:
         except (OSError, ValueError, AssertionError, TypeError) as exc:
             raise BenchError("--schedule %s: expected a JSON list of [t, {node: Mbit/s}] "
                              "(%s)" % (a.schedule, exc)) from None
-    by_steps = o.scenario == "dynamic" and o.schedule is None and o.period is None
-    if by_steps:
+    dynamic = o.scenario == "dynamic" and o.schedule is None and o.network == "emunet"
+    if (o.period is not None or o.period_steps is not None) and not dynamic:
+        raise BenchError("--period and --period-steps move the slow link of --scenario dynamic "
+                         "(on --network emunet, without --schedule)")
+    if o.period is not None and o.period_steps is not None:
+        raise BenchError("dynamic: give --period SECONDS or --period-steps P, not both")
+    if dynamic and o.period_steps is not None:
         if o.period_steps < 1:
             raise BenchError("--period-steps must be at least 1")
         if a.steps is None:
@@ -1112,14 +1612,24 @@ def options_from_args(a) -> Options:
                              "with --period-steps %d; use --steps %d or more (or a smaller "
                              "--period-steps)" % (o.steps, o.period_steps,
                                                   3 * o.period_steps + 3))
-    if o.period is not None and o.period <= 0:
-        raise BenchError("--period must be positive seconds")
-    for s in o.systems:
-        system_by_name(s)
+    elif dynamic:
+        if o.period is None:
+            o.period = DEFAULT_PERIOD_SECONDS
+        if o.period <= 0:
+            raise BenchError("--period must be positive seconds")
+        if a.steps is None:
+            o.steps = DEFAULT_DYNAMIC_STEPS
+    _check_systems(o.systems)
+    if not o.systems:
+        raise BenchError("--systems names no system")
     if o.num_workers < 1 or o.num_servers < 1 or o.steps < 1:
         raise BenchError("need at least 1 worker, 1 server and 1 step")
+    if o.repeat < 1:
+        raise BenchError("--repeat must be at least 1")
     if o.rate <= 0 or o.slow_factor <= 0:
         raise BenchError("--rate and --slow-factor must be positive")
+    if o.scenario == "static":
+        parse_slow_ranks(o.slow_rank, o.num_servers)
     return o
 
 
@@ -1140,9 +1650,8 @@ def main(a) -> int:
     plots += [r["follow"]["shares_png"] for r in summary["systems"]
               if r.get("follow", {}).get("shares_png")]
     print("\nraw data: %s%s" % (path, "".join("\nplot: " + p for p in plots)))
-    for r in summary["systems"]:
-        if r.get("available", True) and not r.get("ok"):
-            sys.stderr.write("\n%s failed: %s\n%s\n" % (r["name"], r["reason"],
-                                                        r.get("failure", "")))
     failed = [r for r in summary["systems"] if r.get("available", True) and not r.get("ok")]
+    for r in failed:
+        sys.stderr.write("\n%s failed: %s\n%s\n" % (r.get("run_id", r["name"]), r["reason"],
+                                                    r.get("failure", "")))
     return 1 if failed else 0

@@ -1,16 +1,22 @@
 """``mxps bench``: the harness runs native and mxps on an emulated network and cleans up.
 
-One 2-worker x 2-server ``static`` run (a small MLP, few steps) of native dist_sync,
-mxps-default and mxps-adaptive is shared by the tests that read its JSON; a short ``dynamic``
-run of mxps-default (the slow link moving every 2 steps) is shared by the tests of the moves,
-the metrics files and the shares plot; another run is SIGKILLed mid-way to show that nothing
-survives ``emunet.cleanup_stale``.  Needs root (network namespaces).  The bench runs the way a
-user runs it: from a directory outside this checkout, with mxps as installed (no PYTHONPATH).
+Three quick 2-worker x 2-server benches (a small MLP, few steps) are shared by the tests that
+read their JSON: ``static`` on the heaviest server rank (resolved before the jobs) of native,
+native-p3, mxps-default and mxps-adaptive; ``dynamic`` by steps (mxps-default alone, the slow
+link moving every 2 steps: the moves, the metrics files and the shares plot); ``dynamic`` by
+wall time with ``--repeat 2`` (native and mxps-unchunked, a move every second: the clock, the
+interleaving, the aggregates).  Another bench is SIGKILLed mid-way to show that nothing survives
+``emunet.cleanup_stale``.  What the report computes (mean, e2e, speedups, the floor, the run
+order, one static variant per rank) is tested on synthetic records, without jobs.  Needs root
+(network namespaces).  The bench runs the way a user runs it: from a directory outside this
+checkout, with mxps as installed (no PYTHONPATH).
 """
+import argparse
 import json
 import re
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +29,8 @@ from mxps_tools import bench, emunet, jobs
 PREFIX = "mxpsbt-"        # namespaces of these tests only
 SMALL = ["--quick", "--steps", "4", "--warmup", "1", "--compute-steps", "1", "--rate", "200",
          "--no-plots", "--no-progress", "--netns-prefix", PREFIX]
+#: the quick MLP's elements per server rank under MXNet's placement: rank 1 is the heaviest
+QUICK_HEAVIEST, QUICK_LIGHTEST = 1, 0
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
@@ -44,18 +52,22 @@ def _alive(pid):
         return False
 
 
-@pytest.fixture(scope="module")
-def static_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_static")
+def _run_bench(out, cmd):
     t0 = time.monotonic()
-    p = subprocess.run(_bench_cmd(out, "--systems", "native,mxps-default,mxps-adaptive"),
-                       capture_output=True, text=True, cwd=out, timeout=300)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=out, timeout=400)
     wall = time.monotonic() - t0
     assert p.returncode == 0, "bench failed (rc %s):\n%s\n%s" % (p.returncode, p.stdout,
                                                                p.stderr[-4000:])
     with open(out / "bench.json") as f:
         summary = json.load(f)
     return {"summary": summary, "stdout": p.stdout, "wall": wall, "out": out}
+
+
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_static")
+    return _run_bench(out, _bench_cmd(out, "--slow-rank", "heaviest", "--systems",
+                                      "native,native-p3,mxps-default,mxps-adaptive"))
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +78,34 @@ def dynamic_run(tmp_path_factory):
            "--scenario", "dynamic", "--period-steps", "2", "--steps", "9", "--warmup", "1",
            "--compute-steps", "1", "--rate", "200", "--no-progress", "--netns-prefix", PREFIX,
            "--systems", "mxps-default"]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=out, timeout=300)
-    assert p.returncode == 0, "bench failed (rc %s):\n%s\n%s" % (p.returncode, p.stdout,
-                                                               p.stderr[-4000:])
-    with open(out / "bench.json") as f:
-        summary = json.load(f)
-    return {"summary": summary, "stdout": p.stdout, "out": out}
+    return _run_bench(out, cmd)
+
+
+@pytest.fixture(scope="module")
+def timed_run(tmp_path_factory):
+    """native and mxps-unchunked, dynamic by wall time (a move every 1 s), twice."""
+    out = tmp_path_factory.mktemp("bench_timed")
+    cmd = [sys.executable, "-m", "mxps_tools.cli", "bench", "--out-dir", str(out), "--quick",
+           "--scenario", "dynamic", "--period", "1", "--steps", "8", "--warmup", "1",
+           "--compute-steps", "1", "--mlp-hidden", "256", "--rate", "200", "--repeat", "2",
+           "--no-progress", "--no-plots", "--netns-prefix", PREFIX,
+           "--systems", "native,mxps-unchunked"]
+    return _run_bench(out, cmd)
 
 
 def _metrics_lines(path):
     with open(path) as f:
         return [json.loads(x) for x in f if x.strip()]
+
+
+def _parser():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p
+
+
+def _options(*argv):
+    return bench.options_from_args(_parser().parse_args(list(argv)))
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -100,23 +129,327 @@ def test_follow_counts_steps_from_the_first_step_that_ends_after_each_change():
     assert bench.share_ratio([0.5, 0.5], [0.25, 0.75]) == pytest.approx(2.0)
 
 
-def test_dynamic_runs_by_steps_with_three_moves_unless_given_seconds():
-    import argparse
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    o = bench.options_from_args(p.parse_args(["--quick", "--scenario", "dynamic"]))
-    assert o.period is None and o.steps == 4 * bench.DEFAULT_PERIOD_STEPS
-    o = bench.options_from_args(p.parse_args(["--scenario", "dynamic", "--period-steps", "3",
-                                              "--steps", "12"]))
-    assert o.steps == 12
-    with pytest.raises(bench.BenchError, match="fewer than 3 moves"):
-        bench.options_from_args(p.parse_args(["--scenario", "dynamic", "--period-steps", "3",
-                                              "--steps", "11"]))
-    o = bench.options_from_args(p.parse_args(["--scenario", "dynamic", "--period", "30"]))
-    assert o.period == 30.0 and o.steps == 8
-    # static keeps its steps
-    assert bench.options_from_args(p.parse_args(["--quick"])).steps == 8
 
+def test_dynamic_moves_by_wall_time_by_default_and_by_steps_only_when_asked():
+    o = _options("--quick", "--scenario", "dynamic")
+    assert o.period == bench.DEFAULT_PERIOD_SECONDS == 15.0 and o.period_steps is None
+    assert o.steps == bench.DEFAULT_DYNAMIC_STEPS == 24
+    assert _options("--scenario", "dynamic", "--period", "30", "--steps", "5").steps == 5
+    o = _options("--scenario", "dynamic", "--period-steps", "3")
+    assert o.period is None and o.steps == 12
+    assert _options("--scenario", "dynamic", "--period-steps", "3", "--steps", "12").steps == 12
+    with pytest.raises(bench.BenchError, match="fewer than 3 moves"):
+        _options("--scenario", "dynamic", "--period-steps", "3", "--steps", "11")
+    with pytest.raises(bench.BenchError, match="not both"):
+        _options("--scenario", "dynamic", "--period", "3", "--period-steps", "3")
+    with pytest.raises(bench.BenchError, match="--scenario dynamic"):
+        _options("--scenario", "static", "--period", "3")
+    with pytest.raises(bench.BenchError, match="positive"):
+        _options("--scenario", "dynamic", "--period", "0")
+    # static keeps its steps, on every rank by default
+    o = _options("--quick")
+    assert o.steps == bench.DEFAULT_STEPS == 8 and o.slow_rank == "all" and o.period is None
+
+
+def test_the_clock_of_timed_moves_gives_one_move_per_period_for_as_long_as_a_run_may_last():
+    b = bench.Bench(bench.Options(scenario="dynamic", num_servers=3, rate=400.0, period=15.0,
+                                  timeout=100.0))
+    run = bench._Run(b, bench.system_by_name("native"), {"tag": "dynamic"})
+    run.rank_nodes = ["s2", "s0", "s1"]
+    assert b.scenario_events(run) == [(0.0, {"s2": 100.0})]        # before the start
+    assert b.scenario_step_events(run) == []
+    ev = b.scenario_clock_events(run)
+    assert [t for t, _ in ev] == [15.0, 30.0, 45.0, 60.0, 75.0, 90.0]
+    assert ev[0][1] == {"s0": 100.0, "s2": 400.0} and ev[1][1] == {"s1": 100.0, "s0": 400.0}
+    assert ev[2][1] == {"s2": 100.0, "s1": 400.0}
+    b.o.period, b.o.period_steps, b.o.steps = None, 2, 9
+    assert b.scenario_clock_events(run) == []
+    assert [k for k, _ in b.scenario_step_events(run)] == [2, 4, 6]
+
+
+def test_repeat_interleaves_the_systems_rotating_their_order_every_rep():
+    order = bench.plan_runs(["A", "B", "C"], [{"tag": "v"}], 4)
+    assert [(rep, s) for rep, _, s in order] == [
+        (0, "A"), (0, "B"), (0, "C"), (1, "B"), (1, "C"), (1, "A"),
+        (2, "C"), (2, "A"), (2, "B"), (3, "A"), (3, "B"), (3, "C")]
+    # static on several ranks: rep by rep, rank by rank, the rotation also moving per rank
+    v0, v1 = {"tag": "static-rank0"}, {"tag": "static-rank1"}
+    order = bench.plan_runs(["A", "B"], [v0, v1], 2)
+    assert [(rep, v["tag"][-1], s) for rep, v, s in order] == [
+        (0, "0", "A"), (0, "0", "B"), (0, "1", "B"), (0, "1", "A"),
+        (1, "0", "B"), (1, "0", "A"), (1, "1", "A"), (1, "1", "B")]
+    for v in (v0, v1):      # on every rank, each system runs first in one of the reps
+        firsts = {next(s for rep, vv, s in order if rep == r and vv is v) for r in (0, 1)}
+        assert firsts == {"A", "B"}
+
+
+def _worker(starts, seconds):
+    return {"step_start_abs": starts, "step_seconds": seconds,
+            "step_end_abs": [a + s for a, s in zip(starts, seconds)]}
+
+
+def test_mean_step_time_is_the_jobs_time_for_its_steps_over_all_workers():
+    # worker 0 starts first, worker 1 ends last; one slow step (after a change) counts in full
+    w0 = _worker([100.0, 101.0, 102.0, 106.0], [1.0, 1.0, 4.0, 1.0])
+    w1 = _worker([100.2, 101.1, 102.1, 106.1], [0.9, 1.0, 3.9, 1.4])
+    s = bench.step_summary([w0, w1])
+    assert s["timed_steps"] == 4 and s["window"] == [100.0, pytest.approx(107.5)]
+    assert s["mean_s"] == pytest.approx(7.5 / 4)
+    times = w0["step_seconds"] + w1["step_seconds"]
+    assert s["median_s"] == pytest.approx(statistics.median(times)) == pytest.approx(1.0)
+    assert s["p90_s"] == pytest.approx(bench.p90(times))
+    assert s["mean_s"] > s["median_s"]                 # the slow steps pull the mean up
+    with pytest.raises(bench.BenchError, match=r"timed \[4, 3\] steps"):
+        bench.step_summary([w0, _worker([1.0, 2.0, 3.0], [1.0, 1.0, 1.0])])
+
+
+def test_end_to_end_time_runs_from_the_first_launch_to_the_last_exit():
+    nodes = jobs.layout(2, 1)
+    for n, (start, end) in zip(nodes, [(10.0, 40.5), (10.1, 40.2), (10.2, 38.0), (10.3, 39.0)]):
+        n.started, n.exited_at = start, end
+    assert bench.job_e2e_seconds(nodes) == pytest.approx(30.5)
+    nodes[1].exited_at = None                     # a node the runner never saw exit
+    assert bench.job_e2e_seconds(nodes) is None
+
+
+def _rec(name, rep, mean, variant="v", **kw):
+    return dict({"name": name, "rep": rep, "variant": variant, "ok": True, "mean_s": mean,
+                 "e2e_s": 10 * mean, "median_s": mean * 0.9, "p90_s": mean * 1.2,
+                 "floor_s": 0.25, "moves": 2}, **kw)
+
+
+def test_speedups_are_against_the_better_baseline_of_each_rep_and_against_native():
+    recs = [_rec("native", 1, 2.0), _rec("native-p3", 1, 1.6), _rec("mxps-adaptive", 1, 0.8),
+            _rec("native", 2, 2.2), _rec("native-p3", 2, 2.4), _rec("mxps-adaptive", 2, 1.1),
+            _rec("mxps-default", 1, 1.0), {"name": "mxps-default", "rep": 2, "variant": "v",
+                                            "ok": False, "reason": "w1 exited with code 3"}]
+    bench.rep_speedups(recs)
+    by = {(r["name"], r["rep"]): r for r in recs}
+    # rep 1: native-p3 is faster, so it is the baseline; rep 2: native is
+    assert by["mxps-adaptive", 1]["baseline"] == "native-p3"
+    assert by["mxps-adaptive", 1]["speedup"] == pytest.approx(2.0)
+    assert by["mxps-adaptive", 1]["speedup_vs_native"] == pytest.approx(2.5)
+    assert by["mxps-adaptive", 2]["baseline"] == "native"
+    assert by["mxps-adaptive", 2]["speedup"] == pytest.approx(2.0)
+    assert by["native", 1]["speedup"] == pytest.approx(0.8)       # slower than the better one
+    assert "speedup" not in by["mxps-default", 2]
+    names = ["native", "native-p3", "mxps-default", "mxps-adaptive"]
+    agg = {a["name"]: a for a in bench.aggregate_runs(recs, names)}
+    # over reps: native means 2.1, native-p3 2.0: native-p3 is the better baseline by its mean
+    assert agg["native-p3"]["mean_s"] == pytest.approx(2.0)
+    a = agg["mxps-adaptive"]
+    assert a["baseline"] == "native-p3" and a["mean_s"] == pytest.approx(0.95)
+    assert a["speedup"] == pytest.approx(2.0 / 0.95)                  # ratio of the means
+    assert a["speedup_vs_native"] == pytest.approx(2.1 / 0.95)
+    assert a["speedup_range"] == [pytest.approx(2.0), pytest.approx(2.0)]
+    assert a["speedup_vs_native_range"] == [pytest.approx(2.0), pytest.approx(2.5)]
+    assert a["mean_s_min"] == 0.8 and a["mean_s_max"] == 1.1
+    assert a["mean_s_stdev"] == pytest.approx(statistics.stdev([0.8, 1.1]))
+    assert a["e2e_s"] == pytest.approx(9.5) and a["p90_s"] == pytest.approx(0.95 * 1.2)
+    assert a["floor_share"] == pytest.approx(0.25 / 0.95) and a["moves"] == [2, 2]
+    d = agg["mxps-default"]
+    assert (d["runs"], d["ok_runs"], d["mean_s_stdev"]) == (2, 1, None)
+    # without native-p3, native is the baseline
+    recs = [_rec("native", 1, 2.0), _rec("mxps-adaptive", 1, 0.8)]
+    bench.rep_speedups(recs)
+    assert recs[1]["baseline"] == "native" and recs[1]["speedup"] == pytest.approx(2.5)
+
+
+def test_static_over_ranks_averages_the_mean_and_the_speedup_and_keeps_its_minimum():
+    variants = []
+    for rank, (native, adaptive) in enumerate([(2.0, 1.0), (1.5, 1.2)]):
+        recs = [_rec("native", 1, native, "r%d" % rank), _rec("mxps-adaptive", 1, adaptive,
+                                                              "r%d" % rank)]
+        bench.rep_speedups(recs)
+        variants.append({"slow_rank": rank, "systems": bench.aggregate_runs(
+            recs, ["native", "mxps-adaptive", "mxps-default"])})
+    over = {r["name"]: r for r in bench.mean_over_ranks(variants, ["native", "mxps-adaptive",
+                                                                  "mxps-default"])}
+    a = over["mxps-adaptive"]
+    assert a["ranks"] == [0, 1] and a["mean_s"] == pytest.approx(1.1)
+    assert a["speedup_mean"] == pytest.approx((2.0 + 1.25) / 2)
+    assert a["speedup_min"] == pytest.approx(1.25)
+    assert over["native"]["speedup_mean"] == pytest.approx(1.0)
+    assert over["mxps-default"]["mean_s"] is None       # no result on any rank: no mean
+
+
+def test_floor_is_the_longest_of_compute_the_servers_and_the_slowest_worker():
+    m = 1e6    # bytes; 8 Mbit
+    # servers: 2 workers x 8 Mbit over 16 Mbit/s = 1 s; worker: 8 Mbit at 8 Mbit/s = 1 s
+    assert bench.floor_seconds(0.5, m, 2, [8.0, 8.0], [8.0, 8.0]) == pytest.approx(1.0)
+    assert bench.floor_seconds(1.5, m, 2, [8.0, 8.0], [8.0, 8.0]) == pytest.approx(1.5)
+    assert bench.floor_seconds(0.0, m, 4, [8.0, 8.0], [80.0] * 4) == pytest.approx(2.0)
+    assert bench.floor_seconds(0.0, m, 1, [80.0], [80.0, 4.0]) == pytest.approx(2.0)
+    assert bench.floor_seconds(0.1, m, 2, [float("inf")] * 2, [float("inf")] * 2) == 0.1
+
+
+def test_slow_ranks_expand_to_one_static_variant_per_rank_each_run_by_every_system():
+    assert bench.parse_slow_ranks("all", 3) == [0, 1, 2]
+    assert bench.parse_slow_ranks("2,heaviest, lightest", 3) == [2, "heaviest", "lightest"]
+    for bad, msg in (("3", "ranks 0..2"), ("slowest", "'heaviest', 'lightest'"),
+                     ("", "expected a server rank")):
+        with pytest.raises(bench.BenchError, match=msg):
+            bench.parse_slow_ranks(bad, 3)
+    els = [5, 9, 2, 9]
+    assert bench.resolve_slow_ranks(["heaviest", "lightest", 2, 0], els) == [
+        {"rank": 1, "labels": ["heaviest"]}, {"rank": 2, "labels": ["lightest"]},
+        {"rank": 0, "labels": []}]                        # ties: the lowest rank
+    # the quick MLP (hidden 512): MXNet's rule puts more elements on server rank 1
+    sizes = [512, 512 * 3072, 512, 512 * 512, 10, 10 * 512]
+    b = bench.Bench(bench.Options(num_servers=2, slow_rank="lightest,heaviest,all"))
+    vs = b.make_variants(param_sizes=sizes)
+    assert [(v["tag"], v["slow_rank"], v["slow_rank_labels"]) for v in vs] == [
+        ("static-rank%d" % QUICK_LIGHTEST, QUICK_LIGHTEST, ["lightest"]),
+        ("static-rank%d" % QUICK_HEAVIEST, QUICK_HEAVIEST, ["heaviest"])]
+    assert b.slow_ranks["elements_per_rank"] == bench.predicted_elements(sizes, 2)
+    assert b.expected_sizes == sizes
+    runs = bench.plan_runs(["native", "mxps-default"], vs, 1)
+    assert [(v["slow_rank"], s) for _, v, s in runs] == [
+        (QUICK_LIGHTEST, "native"), (QUICK_LIGHTEST, "mxps-default"),
+        (QUICK_HEAVIEST, "mxps-default"), (QUICK_HEAVIEST, "native")]
+    # the static rates slow exactly the variant's rank, wherever the job puts it
+    run = bench._Run(b, bench.system_by_name("native"), vs[1])
+    run.rank_nodes = ["s1", "s0"]
+    assert b.scenario_events(run) == [(0.0, {run.rank_nodes[QUICK_HEAVIEST]: 100.0})]
+    # no 'heaviest'/'lightest': nothing is built; other scenarios have one variant
+    b = bench.Bench(bench.Options(num_servers=3))
+    assert [v["slow_rank"] for v in b.make_variants()] == [0, 1, 2] and b.expected_sizes is None
+    assert bench.Bench(bench.Options(scenario="dynamic")).make_variants() == [
+        {"tag": "dynamic", "scenario": "dynamic"}]
+    assert bench.Bench(bench.Options(network="loopback")).make_variants()[0]["tag"] == "loopback"
+
+
+def test_system_names_with_settings_become_safe_file_names():
+    assert bench.path_part("mxps-adaptive:MXPS_TRACE=/tmp/x") == "mxps-adaptive_MXPS_TRACE__tmp_x"
+    assert bench.path_part("..") == "_.." and bench.path_part("native-p3") == "native-p3"
+    b = bench.Bench(bench.Options(out_dir="/tmp/out", repeat=2))
+    s = bench.system_by_name("mxps-adaptive:MXPS_TRACE=/tmp/x:MXPS_SEND_WINDOW=1 2")
+    p = b.run_paths({"tag": "static-rank1"}, 1, s)
+    assert p["log_dir"] == "/tmp/out/logs/static-rank1-rep2/" \
+        "mxps-adaptive_MXPS_TRACE__tmp_x_MXPS_SEND_WINDOW_1_2"
+    for key in ("metrics", "shares_png"):
+        d, base = os.path.split(p[key])
+        assert d == "/tmp/out" and re.fullmatch(r"[A-Za-z0-9._{}-]+", base), p[key]
+    assert os.path.basename(p["metrics"]) == "metrics-static-rank1-rep2-mxps-adaptive_" \
+        "MXPS_TRACE__tmp_x_MXPS_SEND_WINDOW_1_2-{rank}.jsonl"
+    # one rep: no rep in the names (as before --repeat)
+    p = bench.Bench(bench.Options(out_dir="/o")).run_paths({"tag": "dynamic"}, 0,
+                                                           bench.system_by_name("mxps-default"))
+    assert p["shares_png"] == "/o/shares-dynamic-mxps-default.png"
+    # two systems that would share a file name are refused
+    with pytest.raises(bench.BenchError, match="twice"):
+        _options("--systems", "native,mxps-default:MXPS_TRACE=/a,mxps-default:MXPS_TRACE=_a")
+    with pytest.raises(bench.BenchError, match="twice"):
+        _options("--systems", "native,native")
+
+
+def test_every_job_gets_a_fresh_secret_unless_the_user_chose_one():
+    a, b = bench.job_secret_env({}, {}), bench.job_secret_env({}, {"PATH": "/bin"})
+    assert re.fullmatch(r"[0-9a-f]{64}", a["MXPS_SECRET"]) and a != b
+    assert bench.job_secret_env({}, {"MXPS_SECRET": "mine"}) == {}
+    assert bench.job_secret_env({}, {"MXPS_SECRET_FILE": "/k"}) == {}
+    assert bench.job_secret_env({"MXPS_SECRET": "x"}, {}) == {}
+
+
+def test_the_systems_are_native_p3_and_mxps_default_chunked_by_default():
+    assert _options().systems == ["native", "native-p3", "mxps-default", "mxps-adaptive"]
+    p3 = bench.system_by_name("native-p3")
+    assert p3.kvstore == "dist_sync" and p3.env == {"DMLC_PS_VAN_TYPE": "p3"}
+    assert bench.system_by_name("mxps-default").env == {"MXPS_PLAN": "chunked"}
+    assert bench.system_by_name("mxps-unchunked").env == {"MXPS_PLAN": "default"}
+
+
+def _cpu(share):
+    roles = {"sched": "scheduler", "s0": "server", "s1": "server", "w0": "worker",
+             "w1": "worker"}
+    return {n: {"role": r, "pid": 1, "cpu_share_window": share} for n, r in roles.items()}
+
+
+def _summary(records, variants, names, repeat=1, scenario="static"):
+    bench.rep_speedups(records)
+    vs = [dict(v, systems=bench.aggregate_runs([r for r in records if r["variant"] == v["tag"]],
+                                               names)) for v in variants]
+    return {"options": {"network": "emunet", "schedule": None, "scenario": scenario,
+                        "num_workers": 2, "num_servers": 2, "model": "mlp", "rate": 200.0,
+                        "slow_factor": 4.0, "slow_rank": "all", "period": 15.0,
+                        "period_steps": None, "steps": 8, "repeat": repeat},
+            "model": {"bytes": 2.5e6}, "compute_seconds_median": 0.0123, "host": {"cpus": 2},
+            "systems": records, "variants": vs,
+            "over_ranks": bench.mean_over_ranks(vs, names) if len(vs) > 1 else None}
+
+
+def _lines_of(text, name):
+    return [ln.split() for ln in text.splitlines() if ln.split()[:1] == [name]]
+
+
+def test_report_puts_mean_e2e_median_p90_first_per_rank_then_the_mean_over_ranks():
+    extra = dict(cpu=_cpu(0.5), cpu_machine_share=0.7, rank_source="scheduler log",
+                 rate_log=[[1.0, "s1", 50.0, 50.0]],
+                 bytes_per_server=[{"rank": 0, "node": "s1", "in_per_step": 2e6,
+                                    "out_per_step": 2.1e6, "predicted_per_step": 2.2e6}])
+    recs = [_rec("native", 1, 0.5, "static-rank0", **extra),
+            _rec("mxps-adaptive", 1, 0.25, "static-rank0", **dict(
+                extra, cpu=_cpu(None), cpu_machine_share=0.9, rank_source="job info",
+                bytes_per_server=[], follow={"changes": [{"steps": 2, "steps_observed": 4},
+                                                         {"steps": None, "steps_observed": 3}],
+                                             "final_ratio": 1.6, "plan_versions": [0, 1]})),
+            _rec("native", 1, 0.4, "static-rank1", **extra),
+            _rec("mxps-adaptive", 1, 0.4, "static-rank1", **extra),
+            {"name": "mxps-default", "rep": 1, "variant": "static-rank0", "ok": False,
+             "available": True, "run_id": "static-rank0-mxps-default",
+             "reason": "w1 (worker) exited with code 3"}]
+    variants = [{"tag": "static-rank0", "scenario": "static", "slow_rank": 0,
+                 "slow_rank_labels": ["lightest"]},
+                {"tag": "static-rank1", "scenario": "static", "slow_rank": 1,
+                 "slow_rank_labels": []}]
+    text = bench.format_table(_summary(recs, variants, ["native", "mxps-default",
+                                                        "mxps-adaptive"]))
+    assert "scenario static: 2 workers x 2 servers, mlp" in text and "(R/4)" in text
+    assert "compute-only step (median) 0.012 s" in text
+    assert "static, server rank 0 slow (lightest); speedup against native" in text
+    header = next(ln.split() for ln in text.splitlines() if ln.startswith("system  "))
+    assert header[:9] == ["system", "mean", "s", "e2e", "s", "median", "s", "p90", "s"]
+    assert "floor" in header and "serial" not in text and "moves" not in header
+    native, adaptive = _lines_of(text, "native"), _lines_of(text, "mxps-adaptive")
+    # mean, e2e, median, p90, speedup, vs native, floor, % of floor (floor / mean)
+    assert native[0] == ["native", "0.500", "5.0", "0.450", "0.600", "1.00x", "1.00x", "0.250",
+                         "50%"]
+    assert adaptive[0] == ["mxps-adaptive", "0.250", "2.5", "0.225", "0.300", "2.00x", "2.00x",
+                           "0.250", "100%"]
+    assert adaptive[1][:2] == ["mxps-adaptive", "0.400"] and adaptive[1][5] == "1.00x"
+    lines = text.splitlines()
+    mean_over = next(i for i, ln in enumerate(lines) if "mean over server ranks 0, 1" in ln)
+    # over ranks: mean 0.325 s, speedup mean (2 + 1) / 2, minimum 1
+    assert next(ln.split() for ln in lines[mean_over:] if ln.startswith("mxps-adaptive")) == \
+        adaptive[2] == [
+        "mxps-adaptive", "0.325", "1.50x", "1.00x", "1.50x", "1.00x"]
+    assert _lines_of(text, "mxps-default") == [["mxps-default", "-", "-", "-", "-", "-"]]
+    assert "static-rank0-mxps-default: FAILED: w1 (worker) exited with code 3" in text
+    # rep 1's details per rank: bytes (rank 0 on s1, changed: *), shares, CPU
+    assert native[3] == ["native", "0", "s1*", "2.0", "2.1", "2.2", "scheduler", "log"]
+    assert native[4] == ["native", "50", "50", "50", "50", "50", "70%"]
+    assert "within 15% of target" in text
+    assert adaptive[3] == ["mxps-adaptive", "[2,", "never/3]", "1.60", "0-1"]
+    assert adaptive[4] == ["mxps-adaptive", "-", "-", "-", "-", "-", "90%"]
+    assert text.index("--- static-rank0, rep 1 ---") < text.index("--- static-rank1, rep 1 ---")
+
+
+def test_report_over_reps_gives_the_spread_and_for_dynamic_the_moves():
+    recs = [_rec("native", 1, 2.0, "dynamic", moves=3), _rec("mxps-adaptive", 1, 1.0, "dynamic",
+                                                              moves=4),
+            _rec("mxps-adaptive", 2, 1.5, "dynamic", moves=3), _rec("native", 2, 2.0, "dynamic",
+                                                                    moves=3)]
+    s = _summary(recs, [{"tag": "dynamic", "scenario": "dynamic"}], ["native", "mxps-adaptive"],
+                 repeat=2, scenario="dynamic")
+    text = bench.format_table(s)
+    assert "every 15 s from worker 0's first timed step" in text and "2 reps" in text
+    header = next(ln for ln in text.splitlines() if ln.startswith("system  "))
+    assert "mean min-max" in header and header.split()[-1] == "moves"
+    row = _lines_of(text, "mxps-adaptive")[0]
+    assert row[:4] == ["mxps-adaptive", "1.250", "12.5", "1.125"]
+    assert row[5:7] == ["1.000-1.500", "%.3f" % statistics.stdev([1.0, 1.5])]
+    assert row[7:9] == ["1.60x", "(1.33-2.00)"] and row[-1] == "3-4"
+    assert _lines_of(text, "native")[0][-1] == "3"
 
 def test_native_server_ranks_are_read_from_ps_lites_scheduler_log():
     native = ("[x] van.cc:70: assign rank=9 to node role=worker, ip=198.18.0.4, port=1, x\n"
@@ -169,65 +502,10 @@ def test_p90_interpolates_between_the_closest_ranks_like_numpy():
     assert bench.p90([0.25]) == 0.25
 
 
-def _cpu(share):
-    roles = {"sched": "scheduler", "s0": "server", "s1": "server", "w0": "worker",
-             "w1": "worker"}
-    return {n: {"role": r, "pid": 1, "cpu_share_window": share} for n, r in roles.items()}
-
-
-def test_report_tabulates_each_system_its_bytes_per_server_shares_and_cpu():
-    common = {"ok": True, "available": True, "bound_s": 0.2, "bound_serial_s": 0.3}
-    summary = {
-        "options": {"network": "emunet", "schedule": None, "scenario": "static",
-                    "num_workers": 2, "num_servers": 2, "model": "mlp", "rate": 200.0,
-                    "slow_factor": 4.0, "period": None, "period_steps": 8},
-        "model": {"bytes": 2.5e6}, "compute_seconds_median": 0.0123, "host": {"cpus": 2},
-        "systems": [
-            dict(common, name="native", median_s=0.5, p90_s=0.61, speedup_vs_native=1.0,
-                 bound_share=0.4, rate_log=[[1.0, "s1", 50.0, 50.0]], cpu=_cpu(0.5),
-                 cpu_machine_share=0.7, rank_source="scheduler log",
-                 bytes_per_server=[{"rank": 0, "node": "s1", "in_per_step": 2e6,
-                                    "out_per_step": 2.1e6, "predicted_per_step": 2.2e6}]),
-            dict(common, name="mxps-adaptive", median_s=0.25, p90_s=0.3, speedup_vs_native=2.0,
-                 bound_share=0.8, rate_log=[], cpu=_cpu(None), cpu_machine_share=0.9,
-                 rank_source="job info", bytes_per_server=[],
-                 follow={"changes": [{"steps": 2, "steps_observed": 4},
-                                     {"steps": None, "steps_observed": 3}],
-                         "final_ratio": 1.6, "plan_versions": [0, 1]}),
-            {"name": "mxps-default", "ok": False, "available": True,
-             "reason": "w1 (worker) exited with code 3"}]}
-    text = bench.format_table(summary)
-    rows = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.strip()}
-    assert "scenario static: 2 workers x 2 servers, mlp" in text and "(R/4)" in text
-    assert "compute-only step (median) 0.012 s" in text
-    header = next(ln.split() for ln in text.splitlines() if ln.startswith("system  "))
-    assert header[:4] == ["system", "median", "s", "p90"]
-    native = [ln.split() for ln in text.splitlines() if ln.startswith("native ")]
-    assert native[0] == ["native", "0.500", "0.610", "1.00x", "0.200", "40%", "0.300"]
-    # bytes: rank 0 on s1, whose link the scenario changed (*), MB in / out / predicted
-    assert native[1] == ["native", "0", "s1*", "2.0", "2.1", "2.2", "scheduler", "log"]
-    assert native[2] == ["native", "50", "50", "50", "50", "50", "70%"]       # CPU
-    adaptive = [ln.split() for ln in text.splitlines() if ln.startswith("mxps-adaptive ")]
-    assert adaptive[0][:4] == ["mxps-adaptive", "0.250", "0.300", "2.00x"]
-    assert "within 15% of target" in text
-    assert adaptive[1] == ["mxps-adaptive", "[2,", "never/3]", "1.60", "0-1"]
-    assert adaptive[2] == ["mxps-adaptive", "-", "-", "-", "-", "-", "90%"]
-    assert rows["mxps-default:"] == "mxps-default: FAILED: w1 (worker) exited with code 3".split()
-    cpu_header = [ln.split() for ln in text.splitlines() if ln.split()[:2] == ["system", "sched"]]
-    assert cpu_header == [["system", "sched", "s0", "s1", "w0", "w1", "all"]]
-
-
 def test_predicted_elements_follow_mxnets_rule_over_sorted_keys():
     # key 0 is big (split), keys 1 and 3 small: (key * 9973) % 2 -> server 1 for odd keys
     assert bench.predicted_elements([2_000_000, 10, 20, 30], 2) == [1_000_000 + 20,
                                                                     1_000_000 + 10 + 30]
-
-
-def test_bound_is_compute_plus_the_slower_of_server_and_worker_links():
-    m = 1e6    # bytes; 8 Mbit
-    assert bench.bound_seconds(0.5, m, 2, [8.0, 8.0], [8.0, 8.0]) == pytest.approx(1.5)
-    assert bench.bound_seconds(0.0, m, 4, [8.0, 8.0], [80.0] * 4) == pytest.approx(2.0)
-    assert bench.bound_seconds(0.0, m, 1, [80.0], [8.0], directions=2) == pytest.approx(2.0)
 
 
 def test_unknown_system_is_refused_with_the_known_names():
@@ -251,62 +529,118 @@ def test_a_system_with_settings_adds_them_to_its_env_and_keeps_its_own():
 
 # --------------------------------------------------------------------------- real runs
 
+# --------------------------------------------------------------------------- real runs
+
+STATIC_SYSTEMS = ["native", "native-p3", "mxps-default", "mxps-adaptive"]
+
+
+def _slow_node(r):
+    """The node of the server rank the run's static variant slowed."""
+    return r["server_ranks"][r["slow_rank"]]["node"]
+
+
 @needs_root
-def test_static_run_of_both_systems_completes_and_its_json_has_every_field(static_run):
+def test_static_runs_every_system_on_the_heaviest_rank_resolved_before_the_jobs(static_run):
     s = static_run["summary"]
     for key in ("options", "model", "compute_seconds_median", "systems", "addresses",
-                "bound_formula", "host"):
+                "floor_formula", "host", "variants", "over_ranks", "run_order", "slow_ranks"):
         assert key in s, key
-    by = {r["name"]: r for r in s["systems"]}
-    for name in ("native", "mxps-default", "mxps-adaptive"):
-        r = by[name]
-        assert r["ok"], r.get("failure")
-        for key in ("median_s", "p90_s", "speedup_vs_native", "bound_s", "bound_share",
-                    "rate_log", "qdisc_before", "qdisc_after", "qdisc_samples",
-                    "bytes_per_server", "cpu", "server_ranks", "workers", "window"):
-            assert key in r, (name, key)
+    # heaviest resolved before the jobs from a local build of the model, which the jobs' own
+    # parameter sizes confirm
+    el = bench.predicted_elements(s["model"]["param_sizes"], 2)
+    assert el[QUICK_HEAVIEST] > el[QUICK_LIGHTEST]
+    assert s["slow_ranks"]["resolved"] == [{"rank": QUICK_HEAVIEST, "labels": ["heaviest"]}]
+    assert s["slow_ranks"]["elements_per_rank"] == el
+    assert "subprocess" in s["slow_ranks"]["param_sizes_from"]
+    assert [v["tag"] for v in s["variants"]] == ["static-rank%d" % QUICK_HEAVIEST]
+    assert s["run_order"] == [[1, "static-rank%d" % QUICK_HEAVIEST, n] for n in STATIC_SYSTEMS]
+    assert len(s["systems"]) == 4 and s["over_ranks"] is None
+    for r in s["systems"]:
+        assert r["ok"], (r["run_id"], r.get("failure"))
+        for key in ("mean_s", "e2e_s", "median_s", "p90_s", "speedup", "speedup_vs_native",
+                    "baseline", "floor_s", "floor_share", "rate_log", "qdisc_before",
+                    "qdisc_after", "qdisc_samples", "bytes_per_server", "cpu", "server_ranks",
+                    "workers", "window"):
+            assert key in r, (r["run_id"], key)
         assert len(r["workers"]) == 2
         assert all(len(w["step_seconds"]) == 4 for w in r["workers"])
-        # ranks as data from mxps's scheduler; ps-lite's only record is its scheduler's log
-        assert r["rank_source"] == ("scheduler log" if name == "native" else "job info")
+        t0, t1 = r["window"]
+        assert r["mean_s"] == pytest.approx((t1 - t0) / 4)
+        assert t0 == min(w["step_start_abs"][0] for w in r["workers"])
+        assert r["e2e_s"] > t1 - t0 and r["e2e_s"] <= r["wall_seconds"] + 0.5
+        # the floor is a floor: no run beats it
+        assert 0 < r["floor_s"] <= r["mean_s"] and r["floor_share"] <= 1.0
+        # ranks as data from mxps's scheduler; ps-lite's only record (P3's too) is its log
+        assert r["rank_source"] == ("job info" if r["name"].startswith("mxps") else
+                                    "scheduler log"), r["name"]
         assert sorted(x["node"] for x in r["server_ranks"]) == ["s0", "s1"]
-        # the static scenario slowed exactly the node holding server rank 0
-        assert [e[1] for e in r["rate_log"]] == [r["server_ranks"][0]["node"]]
-        assert r["rate_log"][0][2] == 50.0
+        # the static scenario slowed exactly the node holding the variant's server rank
+        assert r["variant"] == "static-rank%d" % r["slow_rank"]
+        assert [e[1] for e in r["rate_log"]] == [_slow_node(r)] and r["rate_log"][0][2] == 50.0
+        assert r["moves"] == 0
         assert {"s0", "s1", "w0", "w1", "sched"} <= set(r["cpu"])
         assert all(c["cpu_seconds_window"] is not None for c in r["cpu"].values())
-    assert "native" in static_run["stdout"] and "mxps-default" in static_run["stdout"]
-    assert "mxps-adaptive" in static_run["stdout"]
+        by = {x["name"]: x for x in s["systems"] if x["variant"] == r["variant"]}
+        best = min(("native", "native-p3"), key=lambda n: by[n]["mean_s"])
+        assert r["baseline"] == best
+        assert r["speedup"] == pytest.approx(by[best]["mean_s"] / r["mean_s"])
+    assert next(r for r in s["systems"] if r["name"] == "native-p3")["env"] == \
+        {"DMLC_PS_VAN_TYPE": "p3"}
+    for a in s["variants"][0]["systems"]:
+        r = next(x for x in s["systems"] if x["name"] == a["name"])
+        assert a["ok_runs"] == 1 and a["mean_s"] == r["mean_s"] and a["speedup"] == \
+            pytest.approx(r["speedup"])
+    out = static_run["stdout"]
+    best = min(s["variants"][0]["systems"][:2], key=lambda a: a["mean_s"])["name"]
+    assert "static, server rank %d slow (heaviest); speedup against %s" % (QUICK_HEAVIEST, best) \
+        in out
+    assert all(name in out for name in STATIC_SYSTEMS)
+    print("static bench: %.0f s for 4 runs" % static_run["wall"])
+
+
+@needs_root
+def test_every_job_has_a_secret_so_no_mxps_server_warns(static_run):
+    raw = json.dumps(static_run["summary"])
+    assert "MXPS_SECRET" not in raw          # fresh per job, never written down
+    for r in static_run["summary"]["systems"]:
+        if r["name"].startswith("mxps"):
+            for node in ("s0", "s1"):
+                with open(os.path.join(r["log_dir"], node + ".err")) as f:
+                    err = f.read()
+                assert "WITHOUT A JOB SECRET" not in err, (r["run_id"], node, err[-2000:])
 
 
 @needs_root
 def test_adaptive_placement_puts_fewer_bytes_on_the_slow_server(static_run):
-    by = {r["name"]: r for r in static_run["summary"]["systems"]}
-
     def slow_server_share(r):
         # per timed step (the whole job's totals include the start-up probe's echoes)
-        slow = r["server_ranks"][0]["node"]          # the static scenario slows rank 0
         total = sum(b["in_per_step"] for b in r["bytes_per_server"])
-        return sum(b["in_per_step"] for b in r["bytes_per_server"] if b["node"] == slow) / total
+        return sum(b["in_per_step"] for b in r["bytes_per_server"]
+                   if b["node"] == _slow_node(r)) / total
 
-    default = slow_server_share(by["mxps-default"])
-    adaptive = slow_server_share(by["mxps-adaptive"])
-    # the slow link has 1/4 of the others' rate: a proportional share is 1/5 of the bytes,
-    # MXNet's placement gives it ~0.43 here; the probe's estimate is good to ~±20%
-    assert adaptive < 0.32 < default, (default, adaptive)
+    for v in static_run["summary"]["variants"]:
+        by = {r["name"]: r for r in static_run["summary"]["systems"]
+              if r["variant"] == v["tag"]}
+        default = slow_server_share(by["mxps-default"])
+        adaptive = slow_server_share(by["mxps-adaptive"])
+        # the slow link has 1/4 of the others' rate: a proportional share is 1/5 of the bytes,
+        # MXNet's placement gives the heaviest ~0.57 here; the probe's estimate is good to
+        # ~±20%
+        assert adaptive < 0.32 < default, (v["tag"], default, adaptive)
 
 
 @needs_root
 def test_mxps_default_moves_the_bytes_mxnets_placement_predicts(static_run):
     """Measured tc bytes per server (whole job: init + every step) within 10% of
-    MXNet's rule over the model's parameter sizes and the real rank->server mapping."""
+    MXNet's rule over the model's parameter sizes and the real rank->server mapping: the chunks
+    of mxps-default cut each server's part, they do not move it."""
     for r in static_run["summary"]["systems"]:
         if r["name"] not in ("native", "mxps-default"):
             continue
         for b in r["bytes_per_server"]:
             for d in ("in", "out"):
                 got, want = b["%s_total" % d], b["predicted_%s_total" % d]
-                assert want * 0.98 <= got <= want * 1.10, (r["name"], b["rank"], d, got, want)
+                assert want * 0.98 <= got <= want * 1.10, (r["run_id"], b["rank"], d, got, want)
 
 
 @needs_root
@@ -319,12 +653,15 @@ def test_a_finished_run_leaves_no_namespace_or_process(static_run):
 
 @needs_root
 def test_mxps_runs_write_metrics_and_a_follow_record(static_run):
-    by = {r["name"]: r for r in static_run["summary"]["systems"]}
-    assert "follow" not in by["native"]
-    for name in ("mxps-default", "mxps-adaptive"):
-        f = by[name]["follow"]
+    runs = static_run["summary"]["systems"]
+    assert all("follow" not in r for r in runs if r["name"].startswith("native"))
+    for r in runs:
+        if not r["name"].startswith("mxps"):
+            continue
+        f = r["follow"]
         assert f["metrics_files_found"] == 2 and "error" not in f, f
         for rank, path in enumerate(f["metrics_files"]):
+            assert os.path.basename(path) == "metrics-%s-%d.jsonl" % (r["run_id"], rank)
             lines = _metrics_lines(path)
             # one line per finished step (the last steps are written once the next starts)
             assert 1 <= len(lines) <= 1 + 4 and all(x["rank"] == rank for x in lines)
@@ -337,8 +674,9 @@ def test_mxps_runs_write_metrics_and_a_follow_record(static_run):
         assert f["steps_after_change"] == [] and f["changes"] == []
         assert f["final_ratio"] >= 1.0 and f["shares_png"] is None     # --no-plots
         assert f["time_source"] == "rank 0's step ends"
-    # MXNet's placement puts ~0.43 of the bytes on the slow server, whose target is 0.2
-    assert by["mxps-default"]["follow"]["final_ratio"] > 1.5
+        if r["name"] == "mxps-default":
+            # MXNet's placement puts ~0.57 of the bytes on the slow server (target 0.2)
+            assert f["final_ratio"] > 1.5, (r["run_id"], f["final_ratio"])
     assert "within 15% of target" in static_run["stdout"]
 
 
@@ -348,11 +686,13 @@ def test_dynamic_moves_the_slow_link_by_steps_and_plots_the_shares(dynamic_run):
     r = s["systems"][0]
     assert r["ok"], r.get("failure")
     assert s["options"]["steps"] == 9 and len(r["workers"][0]["step_seconds"]) == 9
+    assert s["options"]["period_steps"] == 2 and s["options"]["period"] is None
     nodes = [x["node"] for x in r["server_ranks"]]
     # the first rates before the start, then three moves: rank 1, 0, 1 slow in turn
     ev = r["rate_events"]
     assert [sorted(n for n, ud in ch.items() if ud[0] == 50.0) for _, ch in ev] == \
         [[nodes[0]], [nodes[1]], [nodes[0]], [nodes[1]]]
+    assert r["moves"] == 3
     f = r["follow"]
     assert len(f["steps_after_change"]) == 3 and len(f["changes"]) == 3
     # every move lands after timed step 2k of worker 0, before the next step ends (the
@@ -381,10 +721,42 @@ def test_dynamic_moves_the_slow_link_by_steps_and_plots_the_shares(dynamic_run):
 
 
 @needs_root
+def test_timed_moves_start_at_worker_0s_first_timed_step_in_interleaved_reps(timed_run):
+    s = timed_run["summary"]
+    assert s["options"]["period"] == 1.0 and s["options"]["repeat"] == 2
+    assert s["run_order"] == [[1, "dynamic", "native"], [1, "dynamic", "mxps-unchunked"],
+                              [2, "dynamic", "mxps-unchunked"], [2, "dynamic", "native"]]
+    for r in s["systems"]:
+        assert r["ok"], (r["run_id"], r.get("failure"))
+        assert r["log_dir"].endswith(os.path.join("logs", "dynamic-rep%d" % r["rep"],
+                                                  r["name"]))
+        w0 = next(w for w in r["workers"] if w["node"] == "w0")
+        # the clock starts when worker 0 ends its first timed step, not at the job's start
+        assert r["clock_started_at"] == pytest.approx(w0["step_end_abs"][0], abs=0.01)
+        ev = [t for t, _ in r["rate_events"]]
+        assert ev[0] < r["job_started_at"]              # the first slow link: before the start
+        assert len(ev) >= 3, r["rate_events"]
+        for k, t in enumerate(ev[1:], 1):
+            assert t - r["clock_started_at"] == pytest.approx(k * 1.0, abs=0.3), (k, ev)
+        # and stops when worker 0 ends its last timed step (the bench reads it within a poll)
+        assert ev[-1] < w0["step_end_abs"][-1] + 0.5, (ev, w0["step_end_abs"])
+        t0, t1 = r["window"]
+        assert r["moves"] == sum(1 for t in ev if t0 < t <= t1) >= 1
+    v = s["variants"][0]
+    for a in v["systems"]:
+        means = [r["mean_s"] for r in s["systems"] if r["name"] == a["name"]]
+        assert a["ok_runs"] == 2 and a["mean_s"] == pytest.approx(sum(means) / 2)
+        assert a["mean_s_stdev"] == pytest.approx(statistics.stdev(means))
+        assert a["baseline"] == "native" and len(a["speedup_range"]) == 2
+        assert a["moves"] == [r["moves"] for r in s["systems"] if r["name"] == a["name"]]
+    assert "moves" in timed_run["stdout"] and "2 reps" in timed_run["stdout"]
+
+
+@needs_root
 def test_a_killed_bench_leaves_nothing_after_cleanup_stale(tmp_path):
-    p = subprocess.Popen(_bench_cmd(tmp_path, "--systems", "native"), cwd=tmp_path,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    err = tmp_path / "logs" / "native" / "w1.err"
+    p = subprocess.Popen(_bench_cmd(tmp_path, "--systems", "native", "--slow-rank", "0"),
+                         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    err = tmp_path / "logs" / "static-rank0" / "native" / "w1.err"
     deadline = time.monotonic() + 90
     while not err.exists() and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.2)
