@@ -28,6 +28,8 @@ LOOPBACK = "127.0.0.1"
 
 
 def make_cfg(workers=2, servers=2, **settings):
+    # the quiescent switch unless a test asks for the overlapped one (MXPS_REPLAN_OVERLAP)
+    settings.setdefault("replan_overlap", False)
     return Config(role="scheduler", root_uri=LOOPBACK, root_port=9000, num_workers=workers,
                   num_servers=servers, node_host=LOOPBACK, **settings)
 
@@ -335,6 +337,33 @@ def test_a_new_plan_goes_to_the_servers_and_workers_wait_for_every_ack():
     assert a["version"] == 1 and table_from_json(a["table"]) == new
     assert a["moved_bytes"] == adaptive.moved_bytes(OLD, new, 4) > 0
     assert headers(step, MsgType.REPLAN)[b"w0"].plan_version == 1
+
+
+def test_overlapped_a_new_plan_releases_the_workers_with_it_and_the_next_point_waits_for_acks():
+    job = started(replan_overlap=True)
+    job.send(b"w1", MsgType.REPLAN, report(2, force=1))
+    step = job.send(b"w0", MsgType.REPLAN, report(2, force=1, lead=True))
+    plans, answers = sent(step, MsgType.PLAN), sent(step, MsgType.REPLAN)
+    assert sorted(plans) == SERVERS and sorted(answers) == WORKERS
+    new = table_from_json(plans[b"s0"][0]["new"])
+    assert table_from_json(answers[b"w0"][0]["table"]) == new
+    # PLAN goes out before the answers (a worker's first request of the new plan finds its
+    # PLAN at the server, or waits there for it)
+    kinds = [x.header.type for x in step.sends]
+    assert kinds.index(MsgType.PLAN) < kinds.index(MsgType.REPLAN)
+    # the next point: every worker is there, but plan 1's state is still moving
+    job.send(b"w1", MsgType.REPLAN, report(3, force=1))
+    step = job.send(b"w0", MsgType.REPLAN, report(3, force=1, lead=True))
+    assert not step.sends, "a point decided while the last plan's state was still moving"
+    job.send(b"s1", MsgType.PLAN, {"version": 1})
+    step = job.send(b"s0", MsgType.PLAN, {"version": 1})
+    assert sent(step, MsgType.PLAN)[b"s0"][0]["version"] == 2    # now decided: plan 2
+    answers = sent(step, MsgType.REPLAN)                         # the round-3 point's answer
+    assert sorted(answers) == WORKERS and answers[b"w1"] == [answers[b"w1"][0]]
+    assert answers[b"w1"][0]["version"] == 2
+    points = job.state.points                 # recorded when the workers were released
+    assert [p["plan_version"] for p in points] == [1, 2]
+    assert "in_place_at" in points[0] and "in_place_at" not in points[1]
 
 
 def test_a_light_point_says_the_next_one_is_full_exactly_when_a_forced_plan_is_due():

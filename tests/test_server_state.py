@@ -518,6 +518,57 @@ def test_a_part_that_arrives_before_its_plan_is_used_when_the_plan_comes():
     assert s1.slots[(5, 3)].applied == 1 and counts(s1) == {optimizer_index(5, 3): 1}
 
 
+def test_overlapped_pushes_for_a_slice_still_being_built_are_acked_and_summed_once_built():
+    # MXPS_REPLAN_OVERLAP: the workers push round 3 by plan 1 while server 1 still waits for
+    # its part; the pushes are acknowledged at once, a pull waits, and once the part is in
+    # the round is the same as on one server that kept everything
+    s0, s1 = adam_pair(VALUE)
+    push_rounds([(s0, OLD[5][0])], GRADS[:2])
+    alone = adam_pair(VALUE)[0]
+    push_rounds([(alone, OLD[5][0])], GRADS)
+    net = Pair([s0, s1])
+    net.plan(1, 1, OLD, NEW)                          # server 1 waits for a part
+    x = NEW[5][1]
+    for w, g in enumerate(GRADS[2]):
+        only(send(s1, MsgType.PUSH, 5, w=w, it=3, offset=x.offset, value=g[x.offset:x.stop],
+                  version=1), MsgType.ACK)
+    assert not send(s1, MsgType.PULL, 5, it=3, offset=x.offset, length=x.length, version=1)
+    assert (5, 3) not in s1.slots and len(s1.deferred[(5, 3)]) == 3
+    net.plan(0, 1, OLD, NEW)                          # server 0 cuts and sends the part
+    outs = []
+    while net.queue:                                  # deliver, keeping what goes to workers
+        item = net.queue.pop(0)
+        if item[0] == "request":
+            _, to, frm, h, payload = item
+            got = net.servers[to].on_request(b"peer%d" % frm, h, payload)
+        else:
+            _, to, frm, h = item
+            got = net.servers[to].on_peer_reply(frm, h)
+        outs += [o for o in got if o.to == Out.CLIENT and not o.dest.startswith(b"peer")]
+        net.take(to, [o for o in got if not (o.to == Out.CLIENT and
+                                             not o.dest.startswith(b"peer"))])
+    assert not s1.deferred and s1.slots[(5, 3)].applied == 3
+    pulled = value_of(only(outs, MsgType.DATA))       # the waiting pull, answered
+    np.testing.assert_allclose(pulled, alone.slots[(5, 0)].store.snapshot[3:], rtol=1e-6)
+
+
+def test_a_request_of_the_next_plan_waits_for_its_plan_and_is_served_by_it():
+    s0 = new_server(optimizer=sgd(), keys={5: VALUE})
+    h, v = request(MsgType.PUSH, 5, w=0, it=1, value=np.ones(8), version=1)
+    assert s0.on_request(worker(0), h, v) == []       # plan 1 is not here yet: it waits
+    assert len(s0.early_requests) == 1
+    body = json.dumps({"version": 1, "old": table_to_json(OLD),
+                       "new": table_to_json(OLD)}).encode()
+    outs = s0.on_scheduler(Header(MsgType.PLAN), body)
+    assert only(outs, MsgType.ACK).header.request_id == h.request_id
+    assert not s0.early_requests and 0 in s0.slots[(5, 0)].rounds[1].senders
+    # a flood of them is refused past the bound, naming the plan
+    s0.EARLY_BYTES = 40
+    assert send(s0, MsgType.PUSH, 5, w=1, it=1, value=np.ones(8), version=2) == []
+    assert "before its PLAN" in error_text(send(s0, MsgType.PUSH, 5, w=1, it=2,
+                                                 value=np.ones(8), version=2))
+
+
 def test_a_plan_over_a_partly_pushed_round_fails_naming_the_key_and_the_round():
     s0, s1 = adam_pair(VALUE)
     send(s0, MsgType.PUSH, 5, w=0, it=1, value=GRADS[0][0])          # worker 1 never pushes

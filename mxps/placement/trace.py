@@ -38,7 +38,9 @@ worker ``points`` (the adapter, training thread; ``POINT_COLUMNS``)
 server ``data`` (``SERVER_DATA_COLUMNS``; ``worker`` -1 where no worker applies)
     ``push_arrived``, ``round_complete`` (all W pushes summed and the optimizer applied, or the
     sum stored), ``push_applied`` (async: one push applied), ``pull_parked`` (a pull of a round
-    not complete yet), ``pull_answered``.
+    not complete yet), ``pull_answered``, ``request_deferred`` (overlapped re-plan: a request
+    for a slice still being built waits for it; a push is acked at once and its
+    ``push_arrived`` follows when the slice is built).
 server ``plan`` (``SERVER_PLAN_COLUMNS``)
     ``plan_received``, ``plan_failed``, ``part_sent`` (to ``peer``), ``part_received`` (from
     ``peer``; its ``plan_version`` may be one ahead of the server's: an early part),

@@ -508,6 +508,8 @@ class SchedulerState:
         point must be a full one (``Replanner.wants_point``)."""
         if not self.replan_reports or len(self.replan_reports) < len(self._live_workers()):
             return
+        if self.pending_plan is not None:
+            return      # overlapped: the last plan's state is still moving; its acks call back
         reports, self.replan_reports = self.replan_reports, {}
         point = self._agreed_point(reports)
         if point is None:
@@ -592,6 +594,15 @@ class SchedulerState:
                            "new": table_to_json(table)}).encode()
         for n in self._servers():
             self._send(n, MsgType.PLAN, body, plan_version=self.plan_version)
+        if self.cfg.replan_overlap:
+            # MXPS_REPLAN_OVERLAP: the workers go on with the new plan at once; a server
+            # holds a request for a slice it is still building until the slice is built,
+            # so the move overlaps the next round's pushes instead of stopping the job
+            # (server_state._defer).  The next point waits for this plan's acks.
+            p = self.pending_plan
+            p["released"] = True
+            self._record_point(round_, True, True, full_next, p["moved"])
+            self._release(self._plan_body(p))
 
     def _on_plan_ack(self, node, body):
         p = self.pending_plan
@@ -607,10 +618,17 @@ class SchedulerState:
         self.pending_plan = None
         log.info("plan %d in place (round %d, %d bytes moved)", p["version"], p["round"],
                  p["moved"])
-        self._record_point(p["round"], True, True, p["full_next"], p["moved"])
-        self._release({"version": p["version"], "table": table_to_json(p["table"]),
-                       "moved_bytes": p["moved"], "rates": self.replanner.rates,
-                       "full_next": p["full_next"]})
+        if not p.get("released"):
+            self._record_point(p["round"], True, True, p["full_next"], p["moved"])
+            self._release(self._plan_body(p))
+        else:       # overlapped: the point was recorded at the release; the state is in now
+            self.points[-1]["in_place_at"] = round(self._now - self.started_at, 6)
+        self._maybe_replan()            # a point that waited for this plan's state
+
+    def _plan_body(self, p):
+        return {"version": p["version"], "table": table_to_json(p["table"]),
+                "moved_bytes": p["moved"], "rates": self.replanner.rates,
+                "full_next": p["full_next"]}
 
     def _check_plan_deadline(self):
         p = self.pending_plan

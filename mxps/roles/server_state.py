@@ -404,6 +404,12 @@ class ServerState:
         self.plan_version = 0
         self.migration = None      # the re-plan this server is moving state for
         self.early_parts = []      # parts of a plan whose PLAN message has not arrived yet
+        # MXPS_REPLAN_OVERLAP: workers push by a new plan while its state still moves:
+        # requests of a plan whose PLAN has not arrived yet, and requests for a slice still
+        # being built (target -> [(client, header, gradient copy or None)]), wait here
+        self.early_requests = []
+        self._early_bytes = 0
+        self.deferred = {}
         self._out = []             # what the message being handled causes
         # messages that are nobody's request (stray peer replies, PLANs that do not parse):
         # dropped, counted and logged rate-limited
@@ -436,6 +442,8 @@ class ServerState:
         try:
             if handler is None:
                 raise RequestError("server cannot handle %s" % MsgType(h.type).name)
+            if h.type in self._DATA and self._defer(client, h, payload):
+                return self._flush()
             handler(self, client, h, payload)
         except (RequestError, wire.WireError) as e:
             self._error(client, h, str(e))
@@ -470,7 +478,12 @@ class ServerState:
             self._on_plan(version, old, new)
         except Exception as e:
             self._plan_failed(version, e)
-        return self._flush()
+        out = self._flush()
+        early, self.early_requests = self.early_requests, []
+        self._early_bytes = 0
+        for client, h, payload in early:      # in arrival order, as if they came now
+            out += self.on_request(client, h, payload)
+        return out
 
     def on_peer_reply(self, server_rank, h):
         """Server ``server_rank``'s answer to a part this server sent it: an ACK, or an ERROR
@@ -513,6 +526,88 @@ class ServerState:
                              json.dumps(body).encode()))
 
     # -- data plane --------------------------------------------------------------------------
+    _DATA = frozenset((MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL))
+    #: requests of the next plan held until its PLAN arrives (a worker's are a few slices:
+    #: it is released only after the scheduler sent the PLAN; the bound is against garbage)
+    EARLY_BYTES = 256 << 20
+
+    def _defer(self, client, h, payload):
+        """With overlapped re-plans (MXPS_REPLAN_OVERLAP) workers use plan v as soon as the
+        scheduler sent PLAN v to the servers, while its state is still moving.  A request of
+        plan v before PLAN v is here waits for it (the scheduler sends PLAN v + 1 only once
+        every server installed v, so nothing comes from further ahead).  A request for a slice
+        of plan v still being built waits for the slice; a push is acknowledged at once (a
+        copy of its gradient waits), so the worker's send window keeps moving, and it is summed
+        into its round when the slice is built.  True if the request waits."""
+        if h.plan_version == self.plan_version + 1:
+            n = memoryview(payload).nbytes if payload is not None else 0
+            if self._early_bytes + n > self.EARLY_BYTES:
+                raise RequestError("key %d: more than %d MB of requests of plan %d before its "
+                                   "PLAN arrived" % (h.key, self.EARLY_BYTES >> 20,
+                                                     h.plan_version))
+            self._early_bytes += n
+            self.early_requests.append((client, h, payload))
+            return True
+        mig = self.migration_open()
+        if mig is None or h.plan_version != mig.version:
+            return False
+        target = (h.key, h.offset)
+        inc = mig.incoming.get(target)
+        if inc is None:
+            return False
+        if inc.slice.length != h.length:
+            raise RequestError("key %d: request for elements [%d, %d) but server %d is "
+                               "building [%d, %d)" % (h.key, h.offset, h.offset + h.length,
+                                                      self.rank, inc.slice.offset,
+                                                      inc.slice.stop))
+        grad = None
+        if h.type != MsgType.PULL:
+            grad = np.array(wire.payload_array(h, payload), copy=True)
+            if h.type == MsgType.PUSH:
+                self._reply(client, h, MsgType.ACK, length=0)
+        self.deferred.setdefault(target, []).append((client, h, grad))
+        if self._trace is not None:
+            self._trace.append(("request_deferred", self._now(), h.iteration, h.key,
+                                h.offset, h.length, h.sender, 0 if grad is None else
+                                grad.nbytes, self.plan_version, h.request_id))
+        return True
+
+    def migration_open(self):
+        """The re-plan whose slices are still being built here, or None."""
+        mig = self.migration
+        return mig if mig is not None and mig.incoming else None
+
+    def _replay(self, target):
+        """The slice ``target`` is built: run the requests that waited for it, in order."""
+        waiting = self.deferred.pop(target, ())
+        if not waiting:
+            return
+        slot = self.slots[target]
+        for client, h, grad in waiting:
+            try:
+                if h.dtype != slot.dtype_code and grad is not None:
+                    raise RequestError("key %d: pushed dtype %s differs from the slice's %s"
+                                       % (h.key, wire.dtype_of(h.dtype),
+                                          wire.dtype_of(slot.dtype_code)))
+                if grad is None:
+                    self._on_pull(client, h)
+                    continue
+                if self._trace is not None:
+                    self._data_row("push_arrived", slot, h.iteration, h.sender, grad.nbytes,
+                                   h.request_id)
+                if not self.sync:
+                    rnd = self._new_round(slot, grad)
+                    copy_into(rnd.acc, grad)
+                    self._apply(slot, rnd)
+                    slot.applied += 1
+                else:
+                    self._account(slot, h, grad)
+                if h.type != MsgType.PUSH:
+                    self._on_pull(client, h)
+            except RequestError as e:
+                self._error(client, h, str(e))
+        self._answer_waiting(slot)
+
     def _slot_for(self, h):
         slot = self.slots.get((h.key, h.offset))
         if slot is None:
@@ -904,6 +999,7 @@ class ServerState:
         if self._trace is not None:
             self._plan_row("slice_built", mig.version, key, want.offset, want.length,
                            nbytes=value.nbytes)
+        self._replay(target)
 
     def _on_migrate_reply(self, h):
         mig = self.migration
