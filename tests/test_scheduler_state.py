@@ -366,6 +366,30 @@ def test_overlapped_a_new_plan_releases_the_workers_with_it_and_the_next_point_w
     assert "in_place_at" in points[0] and "in_place_at" not in points[1]
 
 
+def test_overlapped_the_round_a_move_overlapped_is_not_timed():
+    job = started(replan_overlap=True)
+    steady = {"1": [[4e6, 0.1], [4e6, 0.1]]}
+    a, b = report(2, force=1), report(2, force=1, lead=True)
+    a["traffic"], b["traffic"] = steady, steady
+    job.send(b"w1", MsgType.REPLAN, a)
+    job.send(b"w0", MsgType.REPLAN, b)                # forced plan 1 from round 2, overlapped
+    job.send(b"s0", MsgType.PLAN, {"version": 1})
+    job.send(b"s1", MsgType.PLAN, {"version": 1})
+    rates = list(job.state.replanner.rates)
+    # round 2: server 1 received state and answered late: 10x "slower", not a link
+    a, b = report(3), report(3, lead=True)
+    a["traffic"] = b["traffic"] = {"2": [[4e6, 0.1], [4e6, 1.0]]}
+    job.send(b"w1", MsgType.REPLAN, a)
+    job.send(b"w0", MsgType.REPLAN, b)
+    assert job.state.replanner.rates == rates
+    # round 3 is timed again
+    a, b = report(4), report(4, lead=True)
+    a["traffic"] = b["traffic"] = {"3": [[4e6, 0.1], [4e6, 1.0]]}
+    job.send(b"w1", MsgType.REPLAN, a)
+    job.send(b"w0", MsgType.REPLAN, b)
+    assert job.state.replanner.rates[1] < rates[1] / 5
+
+
 def test_a_light_point_says_the_next_one_is_full_exactly_when_a_forced_plan_is_due():
     job = started()
     kinds = []
