@@ -66,19 +66,19 @@ def test_forced_replan_every_step_ends_with_the_fixed_plan_weights(jobs, workers
     assert_weights_close(got, want, rtol=RTOL, what="re-planned every step vs fixed plan")
 
 
-def test_the_quiescent_switch_still_gives_the_fixed_plan_weights(jobs):
-    # MXPS_REPLAN_OVERLAP=0: workers wait at the point until the state moved (the default
-    # overlaps the move with the next round; the cases above)
+def test_overlapped_moves_give_the_fixed_plan_weights(jobs):
+    # MXPS_REPLAN_OVERLAP=1: workers go on with each new plan while its state moves (the
+    # cases above use the default, the quiescent switch)
     fixed = jobs.train(train_env("device", optimizer="sgd", update_on_kvstore=False,
                                  steps=STEPS, JOB_SIMULATE_WORKERS=2), 2, 0)
     moving = jobs.train(train_env("mxps", optimizer="sgd", update_on_kvstore=True,
-                                  steps=STEPS, MXPS_REPLAN_OVERLAP="0", **FORCED), 2, 2)
+                                  steps=STEPS, MXPS_REPLAN_OVERLAP="1", **FORCED), 2, 2)
     done = new_plans(moving)
     assert [p["round"] for p in done] == list(range(2, STEPS + 1)), done
-    assert not any("in_place_at" in p for p in done), "points did not wait for the state"
+    assert all("in_place_at" in p for p in done[:-1]), "the workers waited for the state"
     want = assert_synchronised(fixed.out_dir, 2, kvstore_type="device")
     got = assert_synchronised(moving.out_dir, 2)
-    assert_weights_close(got, want, rtol=RTOL, what="quiescent re-plans vs fixed plan")
+    assert_weights_close(got, want, rtol=RTOL, what="overlapped re-plans vs fixed plan")
 
 
 def test_replan_waits_for_a_push_still_in_flight_and_loses_nothing(jobs):
