@@ -50,6 +50,7 @@ class Config:
     replan_horizon: int = 20
     replan_light: bool = False
     replan_overlap: bool = False
+    replan_one_round: bool = True
     replan_window: int = 3
     trace: str = ""
     job_info: str = ""
@@ -247,6 +248,7 @@ def from_env(env=None, mode=None):
         replan_horizon=_int(env, "MXPS_REPLAN_HORIZON", 20, minimum=1),
         replan_light=_bool(env, "MXPS_REPLAN_LIGHT", False),
         replan_overlap=_bool(env, "MXPS_REPLAN_OVERLAP", False),
+        replan_one_round=_bool(env, "MXPS_REPLAN_ONE_ROUND", True),
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),
         job_info=_get(env, "MXPS_JOB_INFO", ""),

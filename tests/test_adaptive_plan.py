@@ -162,6 +162,15 @@ def test_replanner_one_noisy_round_does_not_move_the_estimate_a_real_change_does
     assert rp.rates == pytest.approx([1e6, 1e7])                   # taken in this round
 
 
+def test_without_one_round_detection_a_change_needs_two_rounds_as_before_issue_10():
+    rp = Replanner(2, 1, one_round=False)          # MXPS_REPLAN_ONE_ROUND=0 (ablations)
+    rp.observe([traffic([(1e6, 0.1), (1e6, 0.1)], 3)])            # 10 MB/s each
+    rp.observe([{4: [[1e6, 1.0, 5e5, 0.9], [1e6, 0.1]]}])          # 10x slower once
+    assert rp.rates == [1e7, 1e7]
+    rp.observe([{5: [[1e6, 1.0, 5e5, 0.9], [1e6, 0.1]]}])          # twice: a change,
+    assert rp.rates == pytest.approx([1e6, 1e7])                   # whole rounds, no tails
+
+
 def test_replanner_takes_two_rounds_of_a_moderate_drift_as_a_change():
     rp = Replanner(2, 1)
     rp.observe([traffic([(1e6, 0.1), (1e6, 0.1)], 3)])            # 10 MB/s each

@@ -215,8 +215,11 @@ class Replanner:
 
     MIN_BYTES = 64 * 1024
 
-    def __init__(self, num_servers, num_workers, rates=None, window=3):
+    def __init__(self, num_servers, num_workers, rates=None, window=3, one_round=True):
         import collections
+        # one_round=False: a change needs two rounds (DRIFT) and the changed round is not
+        # measured by its second half (the rule before issue #10; kept for ablations)
+        self.jump = self.JUMP if one_round else math.inf
         self.num_servers = num_servers
         self.num_workers = num_workers
         self.rates = list(rates) if rates else None
@@ -284,7 +287,7 @@ class Replanner:
 
         def off(x, y, factor):
             return None not in (x, y) and (y > factor * x or y * factor < x)
-        jumped = [s for s in range(self.num_servers) if off(ref[s], b[s], self.JUMP)]
+        jumped = [s for s in range(self.num_servers) if off(ref[s], b[s], self.jump)]
         if jumped:
             keep = 1
             for s in jumped:

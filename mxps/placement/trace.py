@@ -105,3 +105,15 @@ class Recorder:
         with open(path, "w") as f:
             json.dump(body, f, separators=(",", ":"))
         return path
+
+    def save(self, template, log):
+        """``write``, logging where the trace went or why it could not be written (a trace
+        is never worth failing a finished job for)."""
+        try:
+            path = self.write(template)
+        except OSError as e:
+            log.error("%s %d: cannot write the trace (MXPS_TRACE=%s): %s", self.role,
+                      self.rank, template, e)
+            return None
+        log.info("%s %d: trace written to %s", self.role, self.rank, path)
+        return path

@@ -227,7 +227,8 @@ class SchedulerState:
         self.barrier_count = 0
         self.rate_reports = {}     # worker rank -> probe timings {bytes, seconds} per server
         self.replanner = adaptive.Replanner(cfg.num_servers, cfg.num_workers,
-                                            window=cfg.replan_window)
+                                            window=cfg.replan_window,
+                                            one_round=cfg.replan_one_round)
         self.replan_reports = {}   # worker rank -> its REPLAN request body
         self.replan_points = 0     # re-plan points passed (MXPS_REPLAN_FORCE counts them)
         self.plan_version = 0

@@ -200,15 +200,8 @@ class Server:
         return 0
 
     def _write_trace(self):
-        if self.trace is None:
-            return
-        try:
-            path = self.trace.write(self.cfg.trace)
-        except OSError as e:
-            log.error("server %d: cannot write the trace (MXPS_TRACE=%s): %s", self.rank,
-                      self.cfg.trace, e)
-            return
-        log.info("server %d: trace written to %s", self.rank, path)
+        if self.trace is not None:
+            self.trace.save(self.cfg.trace, log)
 
 
 def run(cfg):

@@ -300,13 +300,7 @@ class Client:
                                 h.offset, h.length, nbytes, h.plan_version, h.request_id))
 
     def _write_trace(self):
-        try:
-            path = self.trace.write(self.cfg.trace)
-        except OSError as e:
-            log.error("mxps worker %d: cannot write the trace (MXPS_TRACE=%s): %s", self.rank,
-                      self.cfg.trace, e)
-            return
-        log.info("worker %d: trace written to %s", self.rank, path)
+        self.trace.save(self.cfg.trace, log)
 
     def _check_overdue(self, now):
         # the oldest outstanding request is the first one in insertion order
