@@ -3,7 +3,24 @@
 Each node gets its own network namespace with one interface ``eth0`` (a veth) whose peer sits in
 a bridge namespace of its own, so nothing is ever created in, or routed through, the root
 namespace. Links are shaped with ``tc tbf`` on both veth ends: the node end's egress is the
-node's *upload*, the bridge end's egress is its *download*.
+node's *upload*, the bridge end's egress is its *download* (the switch port's queue).
+
+A lossy, shallow-buffered switch (what an incast benchmark needs) is three more options:
+
+- ``loss``: random loss per link in percent, on packets going *towards* a node (its download),
+  dropped by an nft rule in the bridge namespace (``numgen random``, per packet, IPv4 only so
+  neighbour resolution is not delayed at random); changeable live with ``set_loss``.
+- ``queue_ms``: the switch ports' queue (tbf ``limit``) as time at the port's rate; default
+  50 ms, changeable live with ``set_queue``.
+- ``mtu``: the MTU of every veth (1500; 9000 for jumbo frames).
+
+Loss and shallow queues must act on packets as they would be on a wire, not on the 64 KB
+super-packets that segmentation offload (GSO/TSO) and receive offload (GRO) pass between veths:
+in *per-packet* mode ``ethtool -K`` turns those offloads off on every veth and the shapers use a
+bucket and a queue floor of a few frames. The mode is on when a topology has loss or a queue
+shorter than the default (or when asked, ``per_packet=True``); otherwise everything stays as it
+always was (offloads on, 128 KiB bucket, 256 KiB queue floor), so existing benchmarks keep
+their numbers.
 
 Layers, bottom up:
 
@@ -27,8 +44,9 @@ Example::
         p = topo.popen('s0', ['python', 'server.py'])
         topo.set_rate('s0', 50.0)
 
-Needs root and the ``ip`` and ``tc`` tools (iproute2); ``check_prerequisites`` says which is
-missing.
+Needs root and the ``ip`` and ``tc`` tools (iproute2); per-packet mode needs ``ethtool`` and loss
+``nft`` (nftables); ``check_prerequisites`` says which is missing. ``scripts/test-deps.sh``
+installs them.
 """
 
 from __future__ import annotations
@@ -45,7 +63,8 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 import psutil
 
@@ -59,6 +78,9 @@ __all__ = [
     'DEFAULT_SUBNET',
     'ALLOWED_NETWORK',
     'STATE_DIR',
+    'Shape',
+    'tbf_sizes',
+    'loss_threshold',
 ]
 
 DEFAULT_PREFIX = 'mxps-'
@@ -75,9 +97,34 @@ BRIDGE_IFACE = 'br0'
 #: which then has to split them (about 14x the CPU); 128 KiB keeps the rate exact and cheap.
 MIN_BURST_BYTES = 128 * 1024
 #: Queue allowed behind the bucket, as time at the configured rate (with a floor in bytes so low
-#: rates still hold a few GSO segments).
+#: rates still hold a few GSO segments). The default of ``queue_ms`` and of every node's upload.
 QUEUE_SECONDS = 0.05
 MIN_QUEUE_BYTES = 256 * 1024
+#: Per-packet mode (offloads off): the bucket holds this much time at the rate, at least
+#: ``PACKET_BURST_FRAMES`` frames, so a shaper timer that fires late (a busy 2-core machine)
+#: does not cost rate; a queue holds at least ``MIN_QUEUE_FRAMES`` frames however short
+#: ``queue_ms`` is. A real switch port has no bucket: this one is kept small, so that
+#: an idle port lets only a few frames pass at more than its rate.
+PACKET_BURST_SECONDS = 0.0002
+PACKET_BURST_FRAMES = 4
+MIN_QUEUE_FRAMES = 4
+#: Ethernet header counted by tbf on top of the MTU (veths have no preamble, FCS or gap).
+ETH_HEADER_BYTES = 14
+DEFAULT_MTU = 1500
+#: Smallest MTU every IPv4 host must accept, and the usual jumbo-frame maximum of switches.
+MTU_RANGE = (576, 9216)
+#: Offloads turned off in per-packet mode: segmentation (TCP, UDP, generic) and receive.
+OFFLOADS = ('tso', 'gso', 'gro', 'tx-udp-segmentation')
+#: nftables table (bridge family) in the bridge namespace holding the loss rules.
+LOSS_TABLE = 'emunet'
+LOSS_CHAIN = 'loss'
+#: Resolution of the random drop: ``numgen random mod LOSS_SCALE < threshold``.
+LOSS_SCALE = 1_000_000
+#: Tools every topology needs, with what for.
+BASE_TOOLS = {'ip': 'namespaces and links', 'tc': 'shaping'}
+#: Package that provides each external tool, for error messages.
+_TOOL_PACKAGE = {'ip': 'iproute2', 'tc': 'iproute2', 'nft': 'nftables', 'ethtool': 'ethtool',
+                 'sysctl': 'procps', 'mount': 'util-linux'}
 
 _NODE_NAME_RE = re.compile(r'^[A-Za-z0-9_]{1,40}$')
 _RUN_ID_BYTES = 2
@@ -93,19 +140,21 @@ class EmunetError(RuntimeError):
 # --------------------------------------------------------------------------- commands
 
 
-def _run(argv: Sequence[str], timeout: float = 30.0) -> str:
-    """Run ``argv`` and return its stdout.
+def _run(argv: Sequence[str], timeout: float = 30.0, input_text: Optional[str] = None) -> str:
+    """Run ``argv`` (with ``input_text`` on its stdin, if given) and return its stdout.
 
     Raises:
         EmunetError: the command is missing, failed, or timed out; the message quotes the
             command and its stderr.
     """
     try:
+        stdin = subprocess.DEVNULL if input_text is None else None
         done = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL, timeout=timeout, text=True)
+                              stdin=stdin, input=input_text, timeout=timeout, text=True)
     except FileNotFoundError as exc:
-        raise EmunetError(f'command {argv[0]!r} not found while running {" ".join(argv)!r}: '
-                          f'install iproute2') from exc
+        tool = _tool_of(argv)
+        raise EmunetError(f'command {tool!r} not found while running {" ".join(argv)!r}: '
+                          f'install {_TOOL_PACKAGE.get(tool, tool)}') from exc
     except subprocess.TimeoutExpired as exc:
         raise EmunetError(f'command {" ".join(argv)!r} timed out after {timeout:.0f} s') from exc
     if done.returncode != 0:
@@ -114,26 +163,38 @@ def _run(argv: Sequence[str], timeout: float = 30.0) -> str:
     return done.stdout
 
 
+def _tool_of(argv: Sequence[str]) -> str:
+    """The external tool ``argv`` runs (the command after ``ip netns exec NS``, if any)."""
+    if list(argv[:3]) == ['ip', 'netns', 'exec'] and len(argv) > 4:
+        return argv[4]
+    return argv[0]
+
+
 def check_prerequisites(which: Callable[[str], Optional[str]] = shutil.which,
-                        euid: Optional[int] = None) -> None:
+                        euid: Optional[int] = None,
+                        tools: Optional[Mapping[str, str]] = None) -> None:
     """Check that this process can build a topology.
 
     Args:
         which: lookup of executables on PATH (``shutil.which``); injectable for tests.
         euid: effective user id to check; defaults to ``os.geteuid()``.
+        tools: the tools needed, each with what it is needed for (the default: a plain
+            topology; per-packet mode adds ``ethtool``, loss ``nft``).
 
     Raises:
-        EmunetError: naming every missing prerequisite (root, ``ip``, ``tc``).
+        EmunetError: naming every missing prerequisite (root, each tool and its package).
     """
     problems = []
+    tools = BASE_TOOLS if tools is None else tools
     euid = os.geteuid() if euid is None else euid
     if euid != 0:
         problems.append(f'emunet needs root (running as uid {euid}) to create network '
                         f'namespaces; run the tests or benchmark with sudo')
-    for tool in ('ip', 'tc'):
+    for tool, purpose in tools.items():
         if which(tool) is None:
-            problems.append(f'`{tool}` not found on PATH ({os.environ.get("PATH", "")}); '
-                            f'install iproute2')
+            problems.append(f'`{tool}` not found on PATH ({os.environ.get("PATH", "")}), '
+                            f'needed for {purpose}; install {_TOOL_PACKAGE.get(tool, tool)} '
+                            f'(sudo bash scripts/test-deps.sh)')
     if problems:
         raise EmunetError('; '.join(problems))
 
@@ -386,22 +447,81 @@ def _normalize_rate(spec: RateSpec, what: str) -> Tuple[Rate, Rate]:
             None if pair[1] is None else float(pair[1]))
 
 
-def _tbf_args(mbit: float) -> List[str]:
-    """tc arguments of a tbf shaping to ``mbit`` Mbit/s."""
+class Shape(NamedTuple):
+    """How a link's shaper is sized besides its rate: the queue (seconds at the rate), the
+    MTU, and whether packets cross it one by one (per-packet mode, offloads off)."""
+
+    queue_s: float = QUEUE_SECONDS
+    mtu: int = DEFAULT_MTU
+    per_packet: bool = False
+
+
+def tbf_sizes(mbit: float, shape: Shape = Shape()) -> Tuple[int, int]:
+    """``(burst, limit)`` in bytes of a tbf at ``mbit`` Mbit/s; ``limit`` is what tbf queues.
+
+    Offload mode (as always): a 128 KiB bucket, so ~64 KiB GSO segments pass whole, and a
+    queue of ``queue_s`` at the rate, at least 256 KiB, plus the bucket. Per-packet mode: the
+    bucket is ``PACKET_BURST_SECONDS`` at the rate (at least a few frames), and the queue
+    exactly ``queue_s`` at the rate (at least a few frames): 2 ms at 400 Mbit/s is 100 kB.
+    """
     rate_bytes = mbit * 1e6 / 8
-    burst = max(MIN_BURST_BYTES, int(rate_bytes * 0.001))
-    limit = burst + max(MIN_QUEUE_BYTES, int(rate_bytes * QUEUE_SECONDS))
+    if not shape.per_packet:
+        burst = max(MIN_BURST_BYTES, int(rate_bytes * 0.001))
+        return burst, burst + max(MIN_QUEUE_BYTES, int(rate_bytes * shape.queue_s))
+    frame = shape.mtu + ETH_HEADER_BYTES
+    burst = max(PACKET_BURST_FRAMES * frame, int(rate_bytes * PACKET_BURST_SECONDS))
+    return burst, max(MIN_QUEUE_FRAMES * frame, int(rate_bytes * shape.queue_s))
+
+
+def _tbf_args(mbit: float, shape: Shape = Shape()) -> List[str]:
+    """tc arguments of a tbf shaping to ``mbit`` Mbit/s."""
+    burst, limit = tbf_sizes(mbit, shape)
     return ['tbf', 'rate', f'{int(round(mbit * 1e6))}bit', 'burst', str(burst),
             'limit', str(limit)]
 
 
-def _apply_shaping(netns: str, dev: str, old: Rate, new: Rate) -> None:
+def _apply_shaping(netns: str, dev: str, old: Rate, new: Rate,
+                   shape: Shape = Shape()) -> None:
     """Set egress of ``dev`` in ``netns`` to ``new`` Mbit/s (None: unshaped), given ``old``."""
     if new is None:
         if old is not None:
             _run(['tc', '-n', netns, 'qdisc', 'del', 'dev', dev, 'root'])
         return
-    _run(['tc', '-n', netns, 'qdisc', 'replace', 'dev', dev, 'root'] + _tbf_args(new))
+    _run(['tc', '-n', netns, 'qdisc', 'replace', 'dev', dev, 'root'] + _tbf_args(new, shape))
+
+
+def _set_offloads(netns: str, dev: str, on: bool) -> None:
+    """Turn segmentation and receive offloads of ``dev`` on or off (``ethtool -K``)."""
+    state = 'on' if on else 'off'
+    args = []
+    for feature in OFFLOADS:
+        args += [feature, state]
+    _run(['ip', 'netns', 'exec', netns, 'ethtool', '-K', dev] + args)
+
+
+def _check_loss(percent: object, node: str) -> float:
+    """``percent`` as a float in [0, 100], or an EmunetError naming the node and value."""
+    if (isinstance(percent, bool) or not isinstance(percent, (int, float))
+            or not 0 <= percent <= 100):
+        raise EmunetError(f'loss towards {node!r} must be a percentage in [0, 100], '
+                          f'got {percent!r}')
+    return float(percent)
+
+
+def loss_threshold(percent: float) -> int:
+    """``numgen random mod LOSS_SCALE`` values below this are dropped: ``percent`` per 100."""
+    return int(round(percent / 100 * LOSS_SCALE))
+
+
+def _loss_rule(port: str, counter: str, percent: float) -> List[str]:
+    """nft rule dropping ``percent`` of the IPv4 frames leaving the bridge through ``port``."""
+    return ['oifname', f'"{port}"', 'ether', 'type', 'ip', 'numgen', 'random', 'mod',
+            str(LOSS_SCALE), '<', str(loss_threshold(percent)), 'counter', 'name',
+            f'"{counter}"', 'drop']
+
+
+def _nft(netns: str, *args: str) -> str:
+    return _run(['ip', 'netns', 'exec', netns, 'nft'] + list(args))
 
 
 def _qdisc_counters(netns: str, dev: str) -> Dict[str, object]:
@@ -440,6 +560,14 @@ class Topology:
         handle_sigterm: while open, turn SIGTERM into ``SystemExit`` so the network is torn
             down (only when the handler is SIG_DFL and this is the main thread).
         kill_grace: seconds processes get between SIGTERM and SIGKILL on close.
+        loss: per node, percent of the packets towards it (its download) dropped at random in
+            the switch; missing nodes lose nothing. Changeable live (``set_loss``).
+        queue_ms: the switch ports' queue (tbf ``limit`` on the bridge side) as milliseconds
+            at each port's rate; default 50. Changeable live (``set_queue``). Uploads (the
+            nodes' own queues) keep the default.
+        mtu: MTU of every veth (and so of the bridge), in bytes.
+        per_packet: turn offloads off so shaping and loss act per packet; None (default)
+            turns them off when there is loss or a queue shorter than the default.
 
     Use as a context manager, or call ``start()`` and ``close()``.
 
@@ -450,13 +578,30 @@ class Topology:
     def __init__(self, nodes: Sequence[str], rates: Optional[Mapping[str, RateSpec]] = None,
                  default_rate: RateSpec = None, prefix: str = DEFAULT_PREFIX,
                  subnet: str = DEFAULT_SUBNET, handle_sigterm: bool = True,
-                 kill_grace: float = 2.0) -> None:
+                 kill_grace: float = 2.0, loss: Optional[Mapping[str, float]] = None,
+                 queue_ms: float = QUEUE_SECONDS * 1000, mtu: int = DEFAULT_MTU,
+                 per_packet: Optional[bool] = None) -> None:
         self._nodes = list(nodes)
         self._check_nodes(self._nodes)
         rates = dict(rates or {})
-        unknown = sorted(set(rates) - set(self._nodes))
-        if unknown:
-            raise EmunetError(f'rates given for unknown nodes {unknown}; nodes are {self._nodes}')
+        loss = dict(loss or {})
+        for what, given in (('rates', rates), ('loss', loss)):
+            unknown = sorted(set(given) - set(self._nodes))
+            if unknown:
+                raise EmunetError(f'{what} given for unknown nodes {unknown}; nodes are '
+                                  f'{self._nodes}')
+        self._loss = {n: _check_loss(loss.get(n, 0.0), n) for n in self._nodes}
+        self._loss_handles: Dict[str, int] = {}
+        self._loss_table_made = False
+        self._queue_s = self._check_queue(queue_ms)
+        self._mtu = self._check_mtu(mtu)
+        if per_packet is False and (any(self._loss.values()) or self._shallow(self._queue_s)):
+            raise EmunetError(f'per_packet=False with loss {loss} or queue_ms={queue_ms} '
+                              f'(< {QUEUE_SECONDS * 1000:g}): loss and shallow queues act per '
+                              f'packet only with offloads off; leave per_packet unset')
+        self._per_packet_forced = per_packet
+        self._per_packet = bool(per_packet) or any(self._loss.values()) or \
+            self._shallow(self._queue_s)
         if not re.match(r'^[A-Za-z0-9_]{1,12}-$', prefix):
             raise EmunetError(f'prefix {prefix!r} must be 1-12 letters/digits/_ ending in "-", '
                               f'e.g. "mxps-"')
@@ -476,6 +621,26 @@ class Topology:
         self._started = False
         self._closed = False
         self._prev_sigterm = None
+
+    @staticmethod
+    def _check_queue(queue_ms: object) -> float:
+        if (isinstance(queue_ms, bool) or not isinstance(queue_ms, (int, float))
+                or not queue_ms > 0):
+            raise EmunetError(f'queue_ms must be a positive number of milliseconds, '
+                              f'got {queue_ms!r}')
+        return float(queue_ms) / 1000
+
+    @staticmethod
+    def _shallow(queue_s: float) -> bool:
+        return queue_s < QUEUE_SECONDS
+
+    @staticmethod
+    def _check_mtu(mtu: object) -> int:
+        lo, hi = MTU_RANGE
+        if isinstance(mtu, bool) or not isinstance(mtu, int) or not lo <= mtu <= hi:
+            raise EmunetError(f'mtu must be an integer number of bytes in [{lo}, {hi}], '
+                              f'got {mtu!r}')
+        return mtu
 
     @staticmethod
     def _check_nodes(nodes: List[str]) -> None:
@@ -566,6 +731,8 @@ class Topology:
         """
         if self._started:
             raise EmunetError(f'topology {self._base} was already started')
+        check_prerequisites(tools=self._tools_needed(self._per_packet,
+                                                     any(self._loss.values())))
         cleanup_stale(self._prefix)
         self._started = True
         atexit.register(self.close)
@@ -577,6 +744,15 @@ class Topology:
             self.close()
             raise
         return self
+
+    @staticmethod
+    def _tools_needed(per_packet: bool, lossy: bool) -> Dict[str, str]:
+        tools = dict(BASE_TOOLS)
+        if per_packet:
+            tools['ethtool'] = 'turning offloads off (per-packet mode: loss or a shallow queue)'
+        if lossy:
+            tools['nft'] = 'random loss per link (an nftables rule in the switch)'
+        return tools
 
     def _write_state(self) -> None:
         os.makedirs(STATE_DIR, exist_ok=True)
@@ -601,8 +777,11 @@ class Topology:
         for node in self._nodes:
             ns, port = self.netns(node), self._bridge_port(node)
             self._add_netns(ns)
-            _run(['ip', '-n', ns, 'link', 'add', NODE_IFACE, 'type', 'veth',
-                  'peer', 'name', port, 'netns', br])
+            _run(['ip', '-n', ns, 'link', 'add', NODE_IFACE, 'mtu', str(self._mtu), 'type',
+                  'veth', 'peer', 'name', port, 'mtu', str(self._mtu), 'netns', br])
+            if self._per_packet:
+                _set_offloads(ns, NODE_IFACE, on=False)
+                _set_offloads(br, port, on=False)
             _run(['ip', '-n', br, 'link', 'set', port, 'master', BRIDGE_IFACE])
             _run(['ip', '-n', br, 'link', 'set', port, 'up'])
             _run(['ip', '-n', ns, 'addr', 'add', f'{self.addr(node)}/{self._prefixlen}',
@@ -613,6 +792,9 @@ class Topology:
             _run(['ip', '-n', ns, 'route', 'add', 'default', 'dev', NODE_IFACE])
             up, down = self._wanted[node]
             self.set_rate(node, up, down)
+        for node, percent in self._loss.items():
+            if percent:
+                self._apply_loss(node, percent)
 
     def _install_sigterm(self) -> None:
         if not self._handle_sigterm or threading.current_thread() is not threading.main_thread():
@@ -774,10 +956,137 @@ class Topology:
         up, down = _normalize_rate((up_mbit, down), repr(node))
         with self._lock:
             old_up, old_down = self._rates[self._node(node)]
-            _apply_shaping(self.netns(node), NODE_IFACE, old_up, up)
+            _apply_shaping(self.netns(node), NODE_IFACE, old_up, up, self._shape('up'))
             self._rates[node] = (up, old_down)
-            _apply_shaping(self.bridge_netns, self._bridge_port(node), old_down, down)
+            _apply_shaping(self.bridge_netns, self._bridge_port(node), old_down, down,
+                           self._shape('down'))
             self._rates[node] = (up, down)
+
+    def _shape(self, direction: str) -> Shape:
+        """Sizing of the shapers of one direction: the switch ports' (``down``) queue is
+        ``queue_ms``, the nodes' own (``up``) the default."""
+        queue_s = self._queue_s if direction == 'down' else QUEUE_SECONDS
+        return Shape(queue_s, self._mtu, self._per_packet)
+
+    def _reshape(self) -> None:
+        """Re-apply every shaper (after the queue or the mode changed)."""
+        for node in self._nodes:
+            up, down = self._rates[node]
+            _apply_shaping(self.netns(node), NODE_IFACE, up, up, self._shape('up'))
+            _apply_shaping(self.bridge_netns, self._bridge_port(node), down, down,
+                           self._shape('down'))
+
+    @property
+    def queue_ms(self) -> float:
+        """The switch ports' queue, in milliseconds at each port's rate."""
+        return self._queue_s * 1000
+
+    @property
+    def mtu(self) -> int:
+        """MTU of every veth."""
+        return self._mtu
+
+    @property
+    def per_packet(self) -> bool:
+        """True when offloads are off, so shaping and loss act on each packet."""
+        return self._per_packet
+
+    def set_queue(self, queue_ms: float) -> None:
+        """Change the switch ports' queue live (every shaped download), in milliseconds.
+
+        A queue shorter than the default switches the topology to per-packet mode first.
+        """
+        self._check_open()
+        queue_s = self._check_queue(queue_ms)
+        with self._lock:
+            if self._shallow(queue_s):
+                self._ensure_per_packet(f'queue_ms={queue_ms}')
+            self._queue_s = queue_s
+            self._reshape()
+
+    def _ensure_per_packet(self, why: str) -> None:
+        """Turn offloads off on every veth and resize the shapers for single packets."""
+        if self._per_packet:
+            return
+        if self._per_packet_forced is False:
+            raise EmunetError(f'{why} needs per-packet mode, but topology {self._base} was '
+                              f'built with per_packet=False')
+        check_prerequisites(tools=self._tools_needed(True, False))
+        for node in self._nodes:
+            _set_offloads(self.netns(node), NODE_IFACE, on=False)
+            _set_offloads(self.bridge_netns, self._bridge_port(node), on=False)
+        self._per_packet = True
+        self._reshape()
+
+    # ----------------------------------------------------------------- loss
+
+    def set_loss(self, node: str, percent: float) -> None:
+        """Drop ``percent`` of the packets towards ``node`` at random, from now on (0: none).
+
+        Switches the topology to per-packet mode first if needed.
+        """
+        self._check_open()
+        percent = _check_loss(percent, self._node(node))
+        with self._lock:
+            if percent:
+                self._ensure_per_packet(f'loss towards {node!r}')
+            self._apply_loss(node, percent)
+
+    def loss(self, node: str) -> float:
+        """Percent of the packets towards ``node`` dropped at random."""
+        return self._loss[self._node(node)]
+
+    def loss_drops(self, node: str) -> int:
+        """Packets towards ``node`` dropped by its loss rule so far (0 if it never had one)."""
+        self._check_open()
+        if not self._loss_table_made:
+            return 0
+        out = _nft(self.bridge_netns, '-j', 'list', 'counter', 'bridge', LOSS_TABLE,
+                   self._loss_counter(self._node(node)))
+        for entry in json.loads(out).get('nftables', []):
+            if 'counter' in entry:
+                return int(entry['counter'].get('packets', 0))
+        raise EmunetError(f'loss counter of {node!r} missing from `nft list counter`: '
+                          f'{out[:200]!r}')
+
+    def _loss_counter(self, node: str) -> str:
+        return f'to_{node}'
+
+    def _make_loss_table(self) -> None:
+        """The table, its chain on bridged frames and one named counter per node, once."""
+        if self._loss_table_made:
+            return
+        check_prerequisites(tools=self._tools_needed(False, True))
+        lines = [f'add table bridge {LOSS_TABLE}',
+                 f'add chain bridge {LOSS_TABLE} {LOSS_CHAIN} '
+                 f'{{ type filter hook forward priority 0; policy accept; }}']
+        lines += [f'add counter bridge {LOSS_TABLE} {self._loss_counter(n)}'
+                  for n in self._nodes]
+        _run(['ip', 'netns', 'exec', self.bridge_netns, 'nft', '-f', '-'],
+             input_text='\n'.join(lines) + '\n')
+        self._loss_table_made = True
+
+    def _apply_loss(self, node: str, percent: float) -> None:
+        """Install, replace or remove ``node``'s loss rule (its handle is kept)."""
+        if percent:
+            self._make_loss_table()
+        handle = self._loss_handles.get(node)
+        where = ['bridge', LOSS_TABLE, LOSS_CHAIN]
+        if percent and handle is None:
+            rule = _loss_rule(self._bridge_port(node), self._loss_counter(node), percent)
+            out = _nft(self.bridge_netns, '-e', '-a', 'add', 'rule', *where, *rule)
+            found = re.search(r'# handle (\d+)', out)
+            if not found:
+                raise EmunetError(f'nft did not echo the handle of the loss rule towards '
+                                  f'{node!r}: {out.strip()!r}')
+            self._loss_handles[node] = int(found.group(1))
+        elif percent:
+            rule = _loss_rule(self._bridge_port(node), self._loss_counter(node), percent)
+            _nft(self.bridge_netns, 'replace', 'rule', *where, 'handle', str(handle), *rule)
+        elif handle is not None:
+            _nft(self.bridge_netns, 'delete', 'rule', *where, 'handle', str(handle))
+            del self._loss_handles[node]
+        self._loss[node] = percent
 
     def rate(self, node: str) -> Tuple[Rate, Rate]:
         """Current ``(up, down)`` of ``node`` in Mbit/s (None: unshaped)."""

@@ -5,7 +5,10 @@
 #
 # - openssh-server, openssh-client: tests/test_ssh_launch.py runs MXNet's ssh launcher across
 #   network namespaces, each running its own sshd (temp keys and config, never /etc/ssh).
-# - nftables, iptables: packet filtering inside the tests' network namespaces.
+# - nftables, iptables: packet filtering inside the tests' network namespaces (emunet's random
+#   loss per link is an nft rule in the switch namespace).
+# - ethtool: emunet turns segmentation/receive offloads (GSO, TSO, GRO) off on its veths, so
+#   shaping and loss act per packet on the wire, not per 64 KB super-packet.
 #
 # Idempotent and quiet: when every package is installed it prints nothing and touches nothing
 # (no `apt-get update`, no network). Otherwise it runs `apt-get update` once, installs only
@@ -20,7 +23,7 @@
 # afterwards.
 set -euo pipefail
 
-PACKAGES=(openssh-server openssh-client nftables iptables)
+PACKAGES=(openssh-server openssh-client nftables iptables ethtool)
 # Another apt/dpkg run (e.g. unattended upgrades, a colleague's install) holds the lock: wait
 # for it rather than fail.
 LOCK_WAIT_SECONDS=600

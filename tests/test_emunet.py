@@ -322,3 +322,231 @@ def test_owner_process_cleans_up_on_ctrl_c_sigterm_and_plain_exit(how):
 def test_cleanup_stale_keeps_namespaces_of_a_live_run(topo):
     emunet.cleanup_stale()
     assert set(topo.namespaces) <= _netns_names()
+
+
+# ------------------------------------------------------------------ loss, queue, MTU (no root)
+
+
+def test_shallow_queue_is_time_at_the_rate_with_a_floor_of_a_few_frames():
+    shallow = emunet.Shape(queue_s=0.002, mtu=1500, per_packet=True)
+    burst, limit = emunet.tbf_sizes(400.0, shallow)
+    assert limit == 100_000                         # 2 ms at 50 MB/s
+    assert 4 * 1514 <= burst < limit
+    tiny_burst, tiny_limit = emunet.tbf_sizes(1.0, emunet.Shape(0.0001, 9000, True))
+    assert tiny_limit == emunet.MIN_QUEUE_FRAMES * 9014
+    assert tiny_burst == emunet.PACKET_BURST_FRAMES * 9014  # a jumbo frame always fits
+
+
+def test_default_shaping_keeps_the_sizes_it_always_had():
+    # The formula before loss and shallow queues existed: benchmarks keep their numbers.
+    for mbit in (10.0, 100.0, 400.0, 1000.0):
+        rate_bytes = mbit * 1e6 / 8
+        burst = max(128 * 1024, int(rate_bytes * 0.001))
+        assert emunet.tbf_sizes(mbit) == (burst, burst + max(256 * 1024, int(rate_bytes * 0.05)))
+
+
+def test_loss_threshold_is_the_percentage_of_the_random_range():
+    assert emunet.loss_threshold(0) == 0
+    assert emunet.loss_threshold(5) == emunet.LOSS_SCALE // 20
+    assert emunet.loss_threshold(0.1) == emunet.LOSS_SCALE // 1000
+    assert emunet.loss_threshold(100) == emunet.LOSS_SCALE
+
+
+def test_bad_loss_queue_and_mtu_are_rejected_with_the_value_named():
+    with pytest.raises(emunet.EmunetError, match=r"loss towards 'b'.*120"):
+        emunet.Topology(['a', 'b'], loss={'b': 120})
+    with pytest.raises(emunet.EmunetError, match=r"loss given for unknown nodes \['z'\]"):
+        emunet.Topology(['a'], loss={'z': 1})
+    with pytest.raises(emunet.EmunetError, match='queue_ms.*-2'):
+        emunet.Topology(['a'], queue_ms=-2)
+    with pytest.raises(emunet.EmunetError, match='mtu.*70000'):
+        emunet.Topology(['a'], mtu=70000)
+    with pytest.raises(emunet.EmunetError, match='per_packet=False'):
+        emunet.Topology(['a', 'b'], loss={'b': 1}, per_packet=False)
+
+
+def test_per_packet_mode_is_chosen_by_loss_or_a_shallow_queue_only():
+    assert not emunet.Topology(['a', 'b']).per_packet
+    assert not emunet.Topology(['a', 'b'], queue_ms=100, mtu=9000).per_packet
+    assert emunet.Topology(['a', 'b'], loss={'b': 0.5}).per_packet
+    assert emunet.Topology(['a', 'b'], queue_ms=2).per_packet
+    assert emunet.Topology(['a', 'b'], per_packet=True).per_packet
+
+
+def test_check_prerequisites_names_missing_nft_and_ethtool_with_their_packages():
+    present = {'ip', 'tc'}
+    with pytest.raises(emunet.EmunetError) as info:
+        emunet.check_prerequisites(which=lambda t: t if t in present else None, euid=0,
+                                   tools=emunet.Topology._tools_needed(True, True))
+    message = str(info.value)
+    assert '`nft` not found' in message and 'install nftables' in message
+    assert '`ethtool` not found' in message and 'install ethtool' in message
+    assert '`ip`' not in message
+
+
+# ------------------------------------------------------------------ loss, queue, MTU (root)
+
+#: Datagrams of the loss measurement; the end markers that follow them are many enough that
+#: not all are lost (5% ** 50).
+DATAGRAMS = 2000
+END_MARKERS = 50
+LOSS_PERCENT = 5.0
+#: Binomial bound: a correct rule fails it about once in 1.7 million runs (5 sigma).
+SIGMAS = 5.0
+
+UDP_RECEIVER = textwrap.dedent('''
+    import json, socket, sys
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)       # SO_RCVBUFFORCE (root)
+    sock.bind(('0.0.0.0', int(sys.argv[1])))
+    sock.settimeout(10)
+    print('ready', flush=True)
+    _, sender = sock.recvfrom(16)               # the sender's hello: its address
+    sock.sendto(b'go', sender)                  # lossless direction; resolves ARP both ways
+    data, ends = set(), 0
+    while ends == 0:
+        payload = sock.recv(2048)
+        if payload.startswith(b'end'):
+            ends += 1
+        else:
+            data.add(int(payload[:8]))
+    sock.settimeout(0.3)                        # the rest of the end markers, then quiet
+    try:
+        while True:
+            payload = sock.recv(2048)
+            ends += payload.startswith(b'end')
+    except socket.timeout:
+        pass
+    print(json.dumps({'data': len(data), 'ends': ends}), flush=True)
+''')
+
+UDP_SENDER = textwrap.dedent('''
+    import socket, sys
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.settimeout(10)
+    dest = (sys.argv[1], int(sys.argv[2]))
+    for _ in range(50):                         # hello until the receiver answers
+        sock.sendto(b'hello', dest)
+        try:
+            sock.recv(16)
+            break
+        except socket.timeout:
+            continue
+    for seq in range(int(sys.argv[3])):
+        sock.sendto(b'%08d' % seq + bytes(1016), dest)
+    for _ in range(int(sys.argv[4])):
+        sock.sendto(b'end', dest)
+''')
+
+
+def _udp_burst(topo, src, dst):
+    """Send DATAGRAMS 1-KB datagrams and END_MARKERS markers; what ``dst`` received."""
+    rx = topo.popen(dst, [sys.executable, '-c', UDP_RECEIVER, str(PORT)],
+                    stdout=subprocess.PIPE, text=True)
+    assert rx.stdout.readline().strip() == 'ready'
+    tx = topo.popen(src, [sys.executable, '-c', UDP_SENDER, topo.addr(dst), str(PORT),
+                          str(DATAGRAMS), str(END_MARKERS)])
+    out, _ = rx.communicate(timeout=30)
+    assert tx.wait(timeout=10) == 0 and rx.returncode == 0
+    return json.loads(out)
+
+
+def _within_binomial(dropped, attempts, percent):
+    p = percent / 100
+    mean, sd = attempts * p, (attempts * p * (1 - p)) ** 0.5
+    return abs(dropped - mean) <= SIGMAS * sd, f'{dropped} of {attempts}, expected {mean:.0f} ' \
+                                               f'+- {SIGMAS * sd:.0f}'
+
+
+@needs_root
+def test_loss_rule_drops_the_configured_share_of_datagrams_and_nothing_else():
+    # The sender's upload is shaped so its socket buffer paces it: no drop anywhere but the rule.
+    with emunet.Topology(['a', 'b'], rates={'a': (100.0, None)},
+                         loss={'b': LOSS_PERCENT}) as t:
+        got = _udp_burst(t, 'a', 'b')
+        counted = t.loss_drops('b')
+        assert t.qdisc_stats('a')['up']['drops'] == 0
+    lost = (DATAGRAMS + END_MARKERS) - (got['data'] + got['ends'])
+    print(f'{LOSS_PERCENT}% loss: {lost} of {DATAGRAMS + END_MARKERS} datagrams lost, '
+          f'{counted} counted by the rule')
+    assert counted == lost                      # every loss is the rule's, and per datagram
+    ok, why = _within_binomial(DATAGRAMS - got['data'], DATAGRAMS, LOSS_PERCENT)
+    assert ok, why
+
+
+@needs_root
+def test_tcp_completes_under_loss_and_loses_single_packets_not_super_packets():
+    with emunet.Topology(['a', 'b'], rates={'b': (None, 400.0)},
+                         loss={'b': LOSS_PERCENT}) as t:
+        samples = _transfer(t, 'a', 'b', seconds=1.0)
+        dropped, down = t.loss_drops('b'), t.qdisc_stats('b')['down']
+    assert samples[-1][1] > 1_000_000           # the receiver saw EOF after >1 MB: done
+    # tbf counts GSO segments; the rule counts what crosses the bridge. Super-packets of ~44
+    # segments would make drops ~44x rarer than 5% of the segments.
+    ok, why = _within_binomial(dropped, dropped + down['packets'] + down['drops'],
+                               LOSS_PERCENT)
+    assert ok, why
+    assert down['bytes'] / down['packets'] <= 1500 + emunet.ETH_HEADER_BYTES
+
+
+def _tbf_limit(entry):
+    """tc shows a tbf's limit as latency: (limit - burst) / rate."""
+    opts = entry['options']
+    return opts['lat'] * 1e-6 * opts['rate'] + opts['burst']
+
+
+def _json_of(argv):
+    return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+
+
+@needs_root
+def test_queue_mtu_and_offloads_are_applied_and_the_queue_changes_live():
+    with emunet.Topology(['a', 'b'], default_rate=400.0, queue_ms=2, mtu=9000) as t:
+        br, port_b = t.bridge_netns, 'p1'
+        burst, limit = emunet.tbf_sizes(400.0, emunet.Shape(0.002, 9000, True))
+        down = _json_of(['tc', '-n', br, '-j', 'qdisc', 'show', 'dev', port_b])[0]
+        assert down['kind'] == 'tbf' and down['options']['rate'] == 50_000_000
+        assert abs(_tbf_limit(down) - limit) <= 0.01 * limit and limit == 100_000
+        up = _json_of(['tc', '-n', t.netns('b'), '-j', 'qdisc', 'show', 'dev', 'eth0'])[0]
+        assert _tbf_limit(up) == pytest.approx(50e6 * emunet.QUEUE_SECONDS, rel=0.01)
+
+        for ns, dev in ((t.netns('a'), 'eth0'), (br, 'p0'), (br, port_b), (br, 'br0')):
+            assert _json_of(['ip', '-n', ns, '-j', 'link', 'show', dev])[0]['mtu'] == 9000
+        for ns, dev in ((t.netns('b'), 'eth0'), (br, port_b)):
+            features = subprocess.run(['ip', 'netns', 'exec', ns, 'ethtool', '-k', dev],
+                                      check=True, capture_output=True, text=True).stdout
+            for name in ('tcp-segmentation-offload', 'generic-segmentation-offload',
+                         'generic-receive-offload', 'tx-udp-segmentation'):
+                assert f'{name}: off' in features, f'{name} still on for {dev} in {ns}'
+
+        t.set_queue(100)
+        down = _json_of(['tc', '-n', br, '-j', 'qdisc', 'show', 'dev', port_b])[0]
+        assert _tbf_limit(down) == pytest.approx(5_000_000, rel=0.01)
+        assert t.queue_ms == 100 and t.per_packet
+
+
+@needs_root
+def test_loss_changes_live_and_is_removed_at_zero():
+    with emunet.Topology(['a', 'b']) as t:
+        assert not t.per_packet and t.loss_drops('b') == 0
+        t.set_loss('b', 10)
+        assert t.per_packet and t.loss('b') == 10
+        rules = subprocess.run(['ip', 'netns', 'exec', t.bridge_netns, 'nft', 'list', 'chain',
+                                'bridge', emunet.LOSS_TABLE, emunet.LOSS_CHAIN],
+                               check=True, capture_output=True, text=True).stdout
+        assert f'< {emunet.loss_threshold(10)}' in rules and 'oifname "p1"' in rules
+        t.set_loss('b', 0)
+        rules = subprocess.run(['ip', 'netns', 'exec', t.bridge_netns, 'nft', 'list', 'chain',
+                                'bridge', emunet.LOSS_TABLE, emunet.LOSS_CHAIN],
+                               check=True, capture_output=True, text=True).stdout
+        assert 'numgen' not in rules
+
+
+@needs_root
+def test_failed_loss_rule_removes_everything_built_so_far(monkeypatch):
+    monkeypatch.setattr(emunet, '_loss_rule', lambda port, counter, percent: ['nonsense'])
+    topo = emunet.Topology(['a', 'b'], loss={'b': 1})
+    with pytest.raises(emunet.EmunetError, match='nft.*nonsense'):
+        topo.start()
+    assert not set(topo.namespaces) & _netns_names()
+    assert topo.closed
