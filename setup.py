@@ -19,6 +19,8 @@ EXTENSIONS = [
     Extension("mxps.kernels._accum", ["cython/accum.pyx"], extra_compile_args=["-O3"]),
     # Asynchronous operations on MXNet's dependency engine (worker overlap).
     Extension("mxps.kernels._engine", ["cython/engine.pyx"], extra_compile_args=["-O2"]),
+    # LTP's batched UDP I/O: recvmmsg / sendmmsg (server and worker hot paths, MXPS_PUSH=ltp).
+    Extension("mxps.kernels._ltp", ["cython/ltp.pyx"], extra_compile_args=["-O2"]),
 ]
 
 setup(

@@ -17,6 +17,8 @@ class ConfigError(ValueError):
 ROLES = ("worker", "server", "scheduler")
 MODES = ("sync", "async")
 PLANS = ("default", "chunked", "adaptive")
+PUSHES = ("tcp", "ltp")
+FILLS = ("rescale", "zero")
 # where a node can be made to pause for the failure matrix (MXPS_FAULT_POINT, test-only):
 # before its REGISTER, after it before the WELCOME, inside a migration (a server that received
 # a MIGRATE part), inside GET_STATES handling (a server asked for its optimizer states)
@@ -55,6 +57,16 @@ class Config:
     trace: str = ""
     job_info: str = ""
     hwm: int = 1000
+    # MXPS_PUSH=ltp: the loss-tolerant push over UDP (docs/LTP.md)
+    push: str = "tcp"
+    ltp_fill: str = "rescale"
+    ltp_ratio: float = 0.0          # 0: adaptive (mxps.ltp.close.acceptance_ratio)
+    ltp_deadline: float = -1.0      # -1: adaptive, 0: no deadline, else seconds
+    ltp_grace: float = 0.002
+    ltp_min_bytes: int = 65536
+    ltp_mtu: int = 0                # 0: the server's interface MTU
+    ltp_drop: float = 0.0           # test-only: drop this fraction of DATA packets at the sender
+    ltp_seed: int = 0
     # test-only fault injection (docs/SETTINGS.md): pause at ``fault_point`` for
     # ``fault_hold`` seconds after announcing it in ``fault_dir`` (see roles.link.fault_point)
     fault_point: str = ""
@@ -116,6 +128,46 @@ def _bool(env, name, default=False):
     if v.lower() in ("0", "false", "no", "off"):
         return False
     raise ConfigError("%s=%r: use 1 or 0" % (name, v))
+
+
+def _ltp(env):
+    """The MXPS_PUSH / MXPS_LTP_* settings (docs/SETTINGS.md, docs/LTP.md)."""
+    push = (_get(env, "MXPS_PUSH", "tcp")).lower()
+    if push not in PUSHES:
+        raise ConfigError("MXPS_PUSH=%r: use %s" % (push, " or ".join(PUSHES)))
+    fill = (_get(env, "MXPS_LTP_FILL", "rescale")).lower()
+    if fill not in FILLS:
+        raise ConfigError("MXPS_LTP_FILL=%r: use %s" % (fill, " or ".join(FILLS)))
+    ratio = _get(env, "MXPS_LTP_RATIO", "auto").lower()
+    if ratio == "auto":
+        ratio = 0.0
+    else:
+        ratio = _float(env, "MXPS_LTP_RATIO", None)
+        if ratio > 1:
+            raise ConfigError("MXPS_LTP_RATIO=%s: an acceptance ratio is a fraction in (0, 1] "
+                              "(or auto)" % ratio)
+    deadline = _get(env, "MXPS_LTP_DEADLINE", "auto").lower()
+    if deadline == "auto":
+        deadline = -1.0
+    elif deadline in ("off", "0"):
+        deadline = 0.0
+    else:
+        deadline = _float(env, "MXPS_LTP_DEADLINE", None)
+    drop = _get(env, "MXPS_LTP_DROP", "0")
+    try:
+        drop = float(drop)
+    except ValueError:
+        raise ConfigError("MXPS_LTP_DROP=%r is not a number" % drop) from None
+    if not 0 <= drop < 1:
+        raise ConfigError("MXPS_LTP_DROP=%s: a fraction in [0, 1)" % drop)
+    mtu = _int(env, "MXPS_LTP_MTU", 0, minimum=0)
+    if mtu and mtu < 576:
+        raise ConfigError("MXPS_LTP_MTU=%d: IPv4 paths carry at least 576 bytes; use 576 or "
+                          "more (or 0: the server's interface MTU)" % mtu)
+    return dict(push=push, ltp_fill=fill, ltp_ratio=ratio, ltp_deadline=deadline,
+                ltp_grace=_float(env, "MXPS_LTP_GRACE", 0.002),
+                ltp_min_bytes=_int(env, "MXPS_LTP_MIN_BYTES", 65536, minimum=0),
+                ltp_mtu=mtu, ltp_drop=drop, ltp_seed=_int(env, "MXPS_LTP_SEED", 0))
 
 
 MIN_SECRET_BYTES = 16
@@ -253,11 +305,16 @@ def from_env(env=None, mode=None):
         trace=_get(env, "MXPS_TRACE", ""),
         job_info=_get(env, "MXPS_JOB_INFO", ""),
         hwm=_int(env, "MXPS_HWM", 1000, minimum=16),
+        **_ltp(env),
         secret=_secret(env),
         **_fault(env),
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)
+    if cfg.push == "ltp" and cfg.replan_overlap:
+        raise ConfigError("MXPS_PUSH=ltp and MXPS_REPLAN_OVERLAP=1 do not go together: LTP "
+                          "packets of a plan whose state still moves would be dropped; use the "
+                          "quiescent re-plan (MXPS_REPLAN_OVERLAP=0)")
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError("MXPS_HEARTBEAT_TIMEOUT=%s must exceed twice MXPS_HEARTBEAT_INTERVAL=%s"
                           % (cfg.heartbeat_timeout, cfg.heartbeat_interval))

@@ -17,6 +17,7 @@ message or an unknown connection is dropped and counted (``drops``, logged rate-
 reply to a peer that does not read (its queue at MXPS_HWM) is dropped and logged.
 """
 import dataclasses
+import json
 import logging
 import re
 import time
@@ -28,7 +29,7 @@ from ..wire import frame as wire, tcp as transport
 from ..wire.frame import MsgType
 from . import link as control
 from .link import SchedulerLink, poll_forever
-from .server_state import Out, ServerState
+from .server_state import LtpSettings, Out, ServerState
 
 log = logging.getLogger("mxps.server")
 
@@ -38,7 +39,7 @@ BATCH = 64      # requests handled before the scheduler link and peers get a loo
 ALLOWED = {
     "worker": frozenset((MsgType.INIT, MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL,
                          MsgType.SET_OPTIMIZER, MsgType.GET_STATES, MsgType.SET_STATES,
-                         MsgType.PROBE)),
+                         MsgType.PROBE, MsgType.LTP_HELLO)),
     "server": frozenset((MsgType.MIGRATE,)),
 }
 _IDENTITY = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")
@@ -90,14 +91,28 @@ class Server:
         # MXPS_TRACE: the state records every push, round, pull and migration step; the
         # file is written at the clean shutdown (placement.trace)
         self.trace = trace.Recorder("server", self.rank) if cfg.trace else None
+        # MXPS_PUSH=ltp (docs/LTP.md): a UDP socket for the workers' gradient packets (sync
+        # mode only: an async push is applied on arrival, there is no round to close)
+        self.ltp = None
+        ltp = None
+        if self.cfg.push == "ltp" and self.cfg.sync:
+            from ..ltp.receiver import Receiver
+            self.ltp = Receiver(host, self.num_workers, self.cfg.ltp_mtu)
+            ltp = LtpSettings(self.ltp.budget, self.cfg.ltp_fill, self.cfg.ltp_ratio,
+                              self.cfg.ltp_deadline, self.cfg.ltp_grace,
+                              loss=lambda: self.ltp.loss)
+            log.info("server %d: LTP on udp %s:%d, %d payload bytes per packet (MTU %d)",
+                     self.rank, host, self.ltp.port, self.ltp.budget, self.ltp.mtu)
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
-                                 num_servers=welcome["num_servers"], trace=self.trace)
+                                 num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp)
         self.peer_addrs = welcome["servers"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
         self.drops = transport.Tally(log)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.link.sock, zmq.POLLIN)
+        if self.ltp is not None:
+            self.poller.register(self.ltp.sock, zmq.POLLIN)
         log.info("server %d listening on %s:%d", self.rank, host, self.port)
 
     def _send(self, outs):
@@ -147,7 +162,35 @@ class Server:
                            self.rank, e)
                 continue
             self._fault(h)
+            if h.type == MsgType.LTP_HELLO:
+                self._ltp_hello(ident, h, payload)
+                continue
             self._send(self.state.on_request(ident, h, payload))
+
+    def _ltp_hello(self, ident, h, payload):
+        """A worker's UDP address for LTP: register it, answer with this server's port, packet
+        size and the worker's key (over this authenticated connection)."""
+        try:
+            if self.ltp is None:
+                raise ValueError("server %d does not take LTP pushes (MXPS_PUSH=%s, mode %s): "
+                                 "set MXPS_PUSH=ltp for every node of the job"
+                                 % (self.rank, self.cfg.push, self.cfg.mode))
+            body = self.ltp.hello(h.sender, payload.bytes if payload is not None else b"")
+        except ValueError as e:
+            self._reply(ident, h.reply(MsgType.ERROR, dtype=wire.NO_DTYPE, length=0),
+                        str(e).encode())
+            return
+        self._reply(ident, h.reply(MsgType.DATA, dtype=wire.NO_DTYPE, length=0), body)
+
+    def _serve_packets(self):
+        now = time.monotonic()
+        for _ in range(BATCH):
+            if not self.ltp.receive(self._on_packet, now):
+                break
+            now = time.monotonic()
+
+    def _on_packet(self, f, payload, now):
+        self._send(self.state.on_packet(f, payload, now))
 
     def _fault(self, header):
         """Test-only pauses (MXPS_FAULT_POINT): inside a migration, inside GET_STATES."""
@@ -183,7 +226,15 @@ class Server:
     def run(self):
         wait_ms = int(self.cfg.heartbeat_interval * 1000 / 2)
         while not self.link.shutdown:
-            events = poll_forever(self.poller, wait_ms)
+            timeout = wait_ms
+            wake = self.state.next_wake()
+            if wake is not None:
+                timeout = max(0, min(wait_ms, int((wake - time.monotonic()) * 1000) + 1))
+            events = poll_forever(self.poller, timeout)
+            if self.ltp is not None:
+                if self.ltp.sock.fileno() in events:
+                    self._serve_packets()
+                self._send(self.state.on_tick(time.monotonic()))
             if self.sock in events:
                 self._serve_requests()
             if self.link.sock in events:
@@ -197,7 +248,27 @@ class Server:
         self.sock.close(linger=1000)
         self.link.close()
         self._write_trace()
+        self._report_ltp()
         return 0
+
+    def _report_ltp(self):
+        """At shutdown: how the LTP rounds went (docs/LTP.md), in the log and, with
+        MXPS_METRICS, in ``<metrics>.server<rank>.ltp.json``."""
+        if self.ltp is None:
+            return
+        report = {"server": self.rank, "stats": dict(self.state.ltp_stats),
+                  "receiver": dict(self.ltp.counts), "drops": dict(self.ltp.drops.counts),
+                  "loss_estimate": self.ltp.loss, "budget": self.ltp.budget,
+                  "mtu": self.ltp.mtu}
+        log.info("server %d: LTP %s", self.rank, json.dumps(report))
+        if self.cfg.metrics:
+            path = "%s.server%d.ltp.json" % (self.cfg.metrics.replace("{rank}", "x"), self.rank)
+            try:
+                with open(path, "w") as f:
+                    json.dump(report, f)
+            except OSError as e:
+                log.warning("server %d: cannot write %s: %s", self.rank, path, e)
+        self.ltp.close()
 
     def _write_trace(self):
         if self.trace is not None:

@@ -32,6 +32,8 @@ initialised once, by worker 0.  Nothing a message holds raises out of the three 
 a refusal is an ERROR reply, a message that is nobody's request is dropped and counted
 (``drops``), a PLAN that cannot be applied is reported to the scheduler as a failed plan.
 """
+import collections
+import heapq
 import io
 import json
 import logging
@@ -42,8 +44,9 @@ import sys
 import mxnet as mx
 import numpy as np
 
-from ..adapter.ndview import cut_state
+from ..adapter.ndview import cut_state, numpy_view
 from ..kernels.accum import add_into, copy_into
+from ..ltp import close as ltp_close, packet as ltp_packet, rounds as ltp_rounds
 from ..placement import plan
 from ..store.memory import MemorySlice
 from ..wire import frame as wire, typed
@@ -51,6 +54,22 @@ from ..wire.auth import Tally
 from ..wire.frame import MsgType
 
 log = logging.getLogger("mxps.server")
+
+
+class _Drop(Exception):
+    """An LTP packet that fits no open round; the argument names the counter."""
+
+
+def _put_state(state, saved, lo, hi):
+    """Write ``saved`` (``cut_state``'s copies) back into elements [lo, hi) of ``state``."""
+    if state is None or saved is None:
+        return
+    if isinstance(state, (tuple, list)):
+        for s, v in zip(state, saved):
+            _put_state(s, v, lo, hi)
+        return
+    state.wait_to_read()       # the update that wrote it has finished
+    numpy_view(state)[lo:hi] = saved
 
 
 class RequestError(ValueError):
@@ -212,19 +231,45 @@ def optimizer_index(key, offset):
 
 
 class _Round:
-    __slots__ = ("acc", "acc_nd", "senders")
+    __slots__ = ("acc", "acc_nd", "senders", "ltp", "closed", "frozen", "wake")
 
     def __init__(self, acc, acc_nd):
         self.acc = acc            # numpy view of the sum
         self.acc_nd = acc_nd      # the NDArray behind it (update on servers), or None
         self.senders = set()
+        self.ltp = None           # MXPS_PUSH=ltp: the packets' accounting (ltp.rounds.LtpRound)
+        self.closed = False       # ... and whether Early Close ended it
+        self.frozen = ()          # element ranges no worker delivered (kept as they are)
+        self.wake = None          # the earliest look at it already scheduled (on_tick)
+
+    def complete(self, num_workers):
+        return self.closed if self.ltp is not None else len(self.senders) >= num_workers
+
+
+class LtpSettings:
+    """What a server's LTP rounds follow (docs/LTP.md): the filling, the acceptance ratio (0:
+    adaptive), the deadline (-1: adaptive, 0: none), the grace after the last END, the packet
+    payload budget, and ``loss()``: each worker path's measured loss rate."""
+
+    def __init__(self, budget, fill="rescale", ratio=0.0, deadline=-1.0, grace=0.002, z=1.0,
+                 floor=0.8, loss=None):
+        if fill not in ltp_rounds.FILLS:
+            raise ValueError("unknown filling %r" % fill)
+        self.budget = budget
+        self.fill = fill
+        self.ratio = ratio
+        self.deadline = deadline
+        self.grace = grace
+        self.z = z
+        self.floor = floor
+        self.loss = loss or (lambda: None)
 
 
 class _Slot:
     """This server's slice of one key: where it is, its rounds, and its numbers (``store``)."""
 
     __slots__ = ("key", "offset", "length", "dtype_code", "store", "applied", "rounds",
-                 "waiting", "index")
+                 "waiting", "index", "spans")
 
     def __init__(self, key, offset, length, dtype_code, store):
         self.key = key
@@ -236,6 +281,7 @@ class _Slot:
         self.applied = 0                # rounds completed
         self.rounds = {}                # round -> _Round
         self.waiting = []               # (client, header) pulls waiting for a later round
+        self.spans = collections.deque(maxlen=8)   # LTP: recent rounds' arrival spans
 
 
 class _Incoming:
@@ -392,7 +438,7 @@ class ServerState:
     """Everything server ``rank`` knows; ``on_request``, ``on_scheduler`` and
     ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
 
-    def __init__(self, rank, num_workers, sync, num_servers=None, trace=None):
+    def __init__(self, rank, num_workers, sync, num_servers=None, trace=None, ltp=None):
         self.rank = rank
         self.num_workers = num_workers
         self.sync = sync
@@ -411,6 +457,10 @@ class ServerState:
         self._early_bytes = 0
         self.deferred = {}
         self._out = []             # what the message being handled causes
+        # MXPS_PUSH=ltp (docs/LTP.md): packets of the loss-tolerant push; LtpSettings or None
+        self.ltp = ltp
+        self._wakes = []           # (time, key, offset, round): when an open round may close
+        self.ltp_stats = collections.Counter()
         # messages that are nobody's request (stray peer replies, PLANs that do not parse):
         # dropped, counted and logged rate-limited
         self.drops = Tally(log)
@@ -692,12 +742,22 @@ class ServerState:
         elif h.sender in rnd.senders:
             raise RequestError("key %d: worker %d pushed round %d twice"
                                % (h.key, h.sender, h.iteration))
+        elif rnd.ltp is not None:        # the others' packets came by LTP, this one by TCP
+            if rnd.closed or not rnd.ltp.add_whole(h.sender, grad, self._ltp_now):
+                raise RequestError("key %d: worker %d pushed round %d by TCP after sending "
+                                   "packets of it (or after it closed)"
+                                   % (h.key, h.sender, h.iteration))
         else:
             add_into(rnd.acc, grad, h.dtype)
         rnd.senders.add(h.sender)
+        if rnd.ltp is not None:
+            self._ltp_check(slot, h.iteration, rnd, self._ltp_now)
+        self._complete_rounds(slot)
+
+    def _complete_rounds(self, slot):
         while True:          # in order: an early round waits for the ones before it
             nxt = slot.rounds.get(slot.applied + 1)
-            if nxt is None or len(nxt.senders) < self.num_workers:
+            if nxt is None or not nxt.complete(self.num_workers):
                 break
             del slot.rounds[slot.applied + 1]
             self._apply(slot, nxt)
@@ -718,8 +778,11 @@ class ServerState:
             acc_nd = mx.nd.array(rnd.acc, dtype=rnd.acc.dtype)
         if slot.index != slot.key and slot.index not in self._aliased:
             self._alias(slot)
+        kept = self._keep(slot, rnd.frozen) if rnd.frozen else None
         self.updater(slot.index, acc_nd, store.weight_nd)
         store.weight_nd.wait_to_read()       # the update (which read acc_nd) is done
+        if kept is not None:
+            self._restore(slot, rnd.frozen, kept)
         if rnd.acc_nd is not None:
             store.recycle(rnd.acc, rnd.acc_nd)
         # Sync mode replies straight from the stored weights, without a copy: round r+1 can
@@ -747,6 +810,156 @@ class ServerState:
             else:
                 still.append((client, h))
         slot.waiting = still
+
+    # -- LTP: the loss-tolerant push (docs/LTP.md) -------------------------------------------
+    _ltp_now = 0.0     # the time of the last packet or tick (a TCP push into an LTP round)
+
+    def on_packet(self, f, payload, now):
+        """A verified LTP packet (``ltp.packet.Fields``, its payload) at ``now``; returns the
+        ``Out``s it causes (answers to pulls of rounds it closed).  A packet that fits no open
+        round is dropped and counted in ``ltp_stats`` (``drop_<why>``), never an error: the
+        sender is not waiting for an answer to it."""
+        self._ltp_now = now
+        try:
+            self._on_packet(f, payload, now)
+        except _Drop as e:
+            self.ltp_stats["drop_" + e.args[0]] += 1
+            if self._trace is not None:
+                self._trace.append(("packet_dropped_" + e.args[0], self._now(), f.round, f.key,
+                                    f.offset, f.length, f.worker, payload.nbytes,
+                                    f.plan_version, f.seq))
+        except Exception:   # a bug: log it, keep serving
+            log.exception("server %d: LTP packet %r failed", self.rank, f)
+            self.ltp_stats["drop_error"] += 1
+        return self._flush()
+
+    def on_tick(self, now):
+        """Close the LTP rounds whose deadline or grace has passed by ``now``."""
+        self._ltp_now = now
+        while self._wakes and self._wakes[0][0] <= now:
+            _, key, offset, r = heapq.heappop(self._wakes)
+            slot = self.slots.get((key, offset))
+            rnd = slot.rounds.get(r) if slot is not None else None
+            if rnd is not None and rnd.ltp is not None and not rnd.closed:
+                self._ltp_check(slot, r, rnd, now)
+                self._complete_rounds(slot)
+                self._answer_waiting(slot)
+        return self._flush()
+
+    def next_wake(self):
+        """When ``on_tick`` next has something to do (None: nothing scheduled)."""
+        return self._wakes[0][0] if self._wakes else None
+
+    def _on_packet(self, f, payload, now):
+        if self.ltp is None or not self.sync:
+            raise _Drop("not_ltp")
+        slot = self.slots.get((f.key, f.offset))
+        if slot is None or slot.length != f.length:
+            raise _Drop("slice")
+        if f.plan_version != self.plan_version:
+            raise _Drop("plan")
+        if f.dtype != slot.dtype_code:
+            raise _Drop("dtype")
+        if f.round <= slot.applied or (f.round in slot.rounds and slot.rounds[f.round].closed):
+            if f.type == ltp_packet.END:       # its packets made the round: nothing is late
+                self.ltp_stats["end_after_close"] += 1
+                return
+            raise _Drop("late")
+        rnd = slot.rounds.get(f.round)
+        if rnd is None:
+            acc, acc_nd = slot.store.accumulator(slot.store.snapshot, self.updater is not None)
+            acc[:] = 0
+            rnd = slot.rounds[f.round] = _Round(acc, acc_nd)
+        if rnd.ltp is None:
+            itemsize = wire.dtype_of(slot.dtype_code).itemsize
+            epp = ltp_packet.elements_per_packet(self.ltp.budget, itemsize)
+            rnd.ltp = ltp_rounds.LtpRound(rnd.acc, epp, self.num_workers, slot.dtype_code)
+            for w in rnd.senders:      # whole pushes (TCP) already in the sum
+                rnd.ltp.seen[w] = bytearray(b"\x01") * rnd.ltp.n
+                rnd.ltp.counts += 1
+                rnd.ltp.received[w] = rnd.ltp.n
+                rnd.ltp.ends[w] = rnd.ltp.heard[w] = now
+        if f.worker >= self.num_workers or f.worker in rnd.senders:
+            raise _Drop("worker")
+        try:
+            lt = rnd.ltp
+            if f.type == ltp_packet.DATA:
+                first = lt.heard[f.worker] is None
+                if not lt.add(f.worker, f.seq, f.count, payload, now):
+                    raise _Drop("duplicate")
+                if self._trace is not None:
+                    self._data_row("packet_added", slot, f.round, f.worker, payload.nbytes,
+                                   f.seq)
+                # the rule can only change its answer when a worker is first heard (the
+                # deadline starts) or its part reaches the lowest acceptance ratio there is:
+                # below that a packet needs no look (measured: the look is a quarter of a
+                # packet's server time at MTU 1500)
+                if not first and lt.received[f.worker] < self.ltp.floor * lt.n and \
+                        self.ltp.ratio <= 0:
+                    return
+            else:
+                lt.end(f.worker, f.seq, now)
+        except ValueError:
+            raise _Drop("cut") from None
+        self._ltp_check(slot, f.round, rnd, now)
+        self._complete_rounds(slot)
+        self._answer_waiting(slot)
+
+    def _ltp_check(self, slot, r, rnd, now):
+        """Apply the Early Close rule to round ``r`` of ``slot``; close it, or schedule a look."""
+        lt, st = rnd.ltp, self.ltp
+        if st.ratio > 0:
+            ratio = st.ratio
+        else:
+            loss = st.loss() or ()
+            worst = max(loss) if loss else 0.0
+            ratio = ltp_close.acceptance_ratio(lt.n, worst, st.z, st.floor)
+        if st.deadline < 0:
+            deadline = ltp_close.deadline_for(slot.spans)
+        else:
+            deadline = st.deadline or None
+        reason, wake = ltp_close.decide(now, [lt.n] * lt.workers, lt.received, lt.heard,
+                                        lt.ends, ratio, st.grace, deadline)
+        if reason is None:
+            if wake is not None and (rnd.wake is None or wake < rnd.wake
+                                     or rnd.wake <= now):
+                rnd.wake = wake
+                heapq.heappush(self._wakes, (wake, slot.key, slot.offset, r))
+            return
+        rnd.closed = True
+        rnd.frozen = lt.fill(st.fill)
+        if reason != ltp_close.DEADLINE and lt.last is not None:
+            slot.spans.append(max(0.0, lt.last - max(lt.heard)))
+        stats = self.ltp_stats
+        stats["rounds"] += 1
+        stats["close_" + reason] += 1
+        stats["packets_expected"] += lt.n * lt.workers
+        stats["packets_received"] += sum(lt.received)
+        stats["packets_nobody"] += int((lt.counts == 0).sum())
+        stats["duplicates"] += lt.duplicates
+        if self._trace is not None:
+            self._data_row("round_closed_" + reason, slot, r, -1,
+                           int(1e6 * lt.delivered()))
+
+    def _keep(self, slot, ranges):
+        """Copies of the weights and optimizer state at ``ranges`` (before an update).  In a
+        key's first round the state does not exist yet: it is created here as MXNet's Updater
+        would at its first call, so the frozen elements keep a fresh state too."""
+        updater = self.updater
+        if slot.index not in updater.states:
+            updater.states[slot.index] = updater.optimizer.create_state_multi_precision(
+                slot.index, slot.store.weight_nd)
+            updater.states_synced[slot.index] = True
+        state = updater.states.get(slot.index)
+        return [(slot.store.weight[lo:hi].copy(), cut_state(state, lo, hi))
+                for lo, hi in ranges]
+
+    def _restore(self, slot, ranges, kept):
+        """Put back what ``_keep`` copied: those elements did not take part in the round."""
+        state = self.updater.states.get(slot.index)
+        for (lo, hi), (weight, st) in zip(ranges, kept):
+            slot.store.weight[lo:hi] = weight
+            _put_state(state, st, lo, hi)
 
     # -- optimizer ---------------------------------------------------------------------------
     def _on_set_optimizer(self, client, h, payload):

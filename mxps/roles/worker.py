@@ -109,8 +109,39 @@ class Client:
         # for the bandwidth estimate (mxps.metrics); the I/O thread writes, others take rounds
         self.traffic = {}
         self.traffic_lock = threading.Lock()
+        # MXPS_PUSH=ltp (docs/LTP.md): large gradient slices go as paced UDP packets; the
+        # socket belongs to the I/O thread, the paths to the servers come from LTP_HELLO
+        self.ltp = None
+        self._ltp_wake = None
+        if cfg.push == "ltp" and cfg.sync:
+            from ..ltp.sender import Sender
+            self.ltp = Sender(self.rank, host, cfg.ltp_drop, cfg.ltp_seed)
         self._thread = threading.Thread(target=self._io_loop, name="mxps-io", daemon=True)
         self._thread.start()
+        if self.ltp is not None:
+            self._ltp_hello(welcome["servers"])
+
+    def _ltp_hello(self, servers):
+        """Register this worker's UDP socket with every server and install the paths (on the
+        I/O thread, which owns the sender)."""
+        calls = []
+        for s, (host, port) in enumerate(servers):
+            c = _Call()
+
+            def on_reply(h, payload, s=s, host=host, c=c):
+                if h.type == MsgType.DATA:
+                    self.ltp.add_path(s, host, payload.bytes, time.monotonic())
+                c(h, payload)
+            self.submit(s, Header(MsgType.LTP_HELLO), self.ltp.hello_body(host, port),
+                        on_reply)
+            calls.append((s, c))
+        for s, c in calls:
+            if not c.event.wait(self.cfg.timeout):
+                raise TimeoutError("mxps worker %d: server %d (%s) did not answer LTP_HELLO "
+                                   "within %.0f s (MXPS_TIMEOUT)"
+                                   % (self.rank, s, self.server_addrs[s], self.cfg.timeout))
+            if c.header.type == MsgType.ERROR:
+                raise RemoteError(c.payload.bytes.decode())
 
     # -- submitting --------------------------------------------------------------------------
     def submit(self, server, header, payload, on_reply, priority=None):
@@ -302,7 +333,41 @@ class Client:
     def _write_trace(self):
         self.trace.save(self.cfg.trace, log)
 
+    _FLOATS = {wire.dtype_code(t): wire.dtype_of(wire.dtype_code(t)).itemsize
+               for t in ("float32", "float64", "float16")}
+
+    def _ltp_push(self, server, h, payload, on_reply, held):
+        """Hand a released push to LTP if it takes it (a float slice of MXPS_LTP_MIN_BYTES or
+        more to a server with a path); its END's ACK completes it (``_ltp_done``)."""
+        itemsize = self._FLOATS.get(h.dtype)
+        if not self.ltp.takes(server, h, payload, self.cfg.ltp_min_bytes, itemsize):
+            return False
+        self.ltp.enqueue(server, h, payload, itemsize, (on_reply, held, server))
+        if self._trace is not None:
+            self._record(_SENT, server, h, _nbytes(payload))
+        if h.iteration > 0:
+            self._count(h.iteration, server, _nbytes(payload), time.monotonic())
+        return True
+
+    def _ltp_done(self, push, now):
+        on_reply, held, server = push.on_done
+        h = push.h
+        if self._trace is not None:
+            self._record(_ANSWERED, server, h, 0)
+        if held:
+            self._unacked[server] -= held
+            self._unacked_count[server] -= 1
+        if h.iteration > 0:
+            self._count(h.iteration, server, 0, now)
+        on_reply(h.reply(MsgType.ACK, dtype=wire.NO_DTYPE, length=0), None)
+
     def _check_overdue(self, now):
+        if self.ltp is not None:
+            worst = self.ltp.oldest_end()
+            if worst is not None and now - worst[0] > self.cfg.timeout:
+                self.link.fail("server %d (%s) did not acknowledge LTP push %r within %.0f s "
+                               "(MXPS_TIMEOUT)" % (worst[1], self.server_addrs[worst[1]],
+                                                   worst[2].h, self.cfg.timeout))
         # the oldest outstanding request is the first one in insertion order
         for _, sent, server, h, _ in self._pending.values():
             if now - sent > self.cfg.timeout:
@@ -328,9 +393,15 @@ class Client:
             poller.register(s, zmq.POLLIN)
             index[s] = i
         wait_ms = int(self.cfg.heartbeat_interval * 1000 / 2)
+        ltp = self.ltp
+        if ltp is not None:
+            poller.register(ltp.sock, zmq.POLLIN)
         while not self._stopped.is_set():
             self._sleeping = True
-            events = control.poll_forever(poller, 0 if self._queue else wait_ms)
+            timeout = 0 if self._queue else wait_ms
+            if self._ltp_wake is not None and timeout:
+                timeout = max(0, min(timeout, int((self._ltp_wake - time.monotonic()) * 1000)))
+            events = control.poll_forever(poller, timeout)
             self._sleeping = False
             if self._wake_r in events:
                 os.read(self._wake_r, 65536)
@@ -363,7 +434,15 @@ class Client:
                     self._unacked_count[server] += 1
                     if self._trace is not None:
                         self._record(_RELEASED, server, h, n)
+                    if ltp is not None and self._ltp_push(server, h, payload, on_reply, n):
+                        continue
                     self._send(server, h, payload, on_reply, n)
+            if ltp is not None:
+                now = time.monotonic()
+                if ltp.sock.fileno() in events:
+                    for push in ltp.receive(now):
+                        self._ltp_done(push, now)
+                self._ltp_wake = ltp.pump(time.monotonic())
             if self.link.sock in events:
                 for h, p in self.link.receive():
                     self.link.handle(h, p)

@@ -70,6 +70,8 @@ class MsgType(enum.IntEnum):
                         # the new plan's state is in place (every moved slice arrived)
     MIGRATE = 28        # server -> server: a moved part of a slice (value, optimizer state,
                         # update count), typed payload; answered with ACK
+    LTP_HELLO = 29      # worker -> server: JSON {host, port, mtu} of the worker's UDP socket
+                        # (MXPS_PUSH=ltp); answered with DATA: JSON {port, key, budget}
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)

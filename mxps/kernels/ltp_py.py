@@ -1,0 +1,184 @@
+"""Pure-Python twin of ``cython/ltp.pyx``: LTP's batched UDP I/O, the reference for the compiled
+module (MXPS_PURE_PYTHON=1 selects it).
+
+- ``recv_batch(sock, ring, slot_size, max_batch)``: read up to ``max_batch`` waiting datagrams
+  without blocking, datagram ``i`` into ``ring[i * slot_size:(i + 1) * slot_size]``; returns
+  ``[(nbytes, (host, port)), ...]`` in arrival order, ``[]`` when nothing waits.  A datagram
+  longer than ``slot_size`` is cut to it (as ``recvfrom_into`` does).  An error after the first
+  datagram ends the batch; the next call reports it (as ``recvmmsg`` does).
+- ``send_batch(sock, msgs)``: send ``msgs``, a list of ``(buffers, (host, port))`` (one
+  datagram gathered from each message's buffers, which are not copied), without blocking, in
+  order; returns how many were sent: 0 when the socket's send buffer is full at the first,
+  fewer than ``len(msgs)`` when it filled up (or a later datagram failed: the next call, from
+  that one, reports why), as ``sendmmsg`` does.  Other errors at the first raise ``OSError``.
+- ``open_batch(view, slot_size, got, paths, itemsize_of)``: the datagrams ``recv_batch`` put
+  in the ring (``view``: a byte memoryview of it; ``got``: what recv_batch returned), each
+  opened if it is an LTP packet a server accepts: the worker it names has a path
+  (``paths[worker]``: ``(registered address, ltp.packet.Tagger)`` or None), it came from that
+  address, its tag verifies with that path's key, and it decodes (``ltp.packet.decode``, with
+  ``itemsize_of``).  Returns one entry per datagram: ``(Fields, payload memoryview)``, or None
+  for a datagram that fails any of these; the caller runs the reference checks on those (to
+  count and log why), so this only decides which datagrams take the fast path.
+
+Both check their arguments here (``check_recv``, ``address``, ``check_buffers``; the compiled
+module calls the same functions), so a wrong argument fails the same way in both, naming what
+is wrong, before anything is read or sent.  IPv4 datagram sockets only (LTP's).
+"""
+import socket
+
+from ..ltp import packet as pk
+
+MAX_BATCH = 1024          # recvmmsg/sendmmsg take at most UIO_MAXIOV (1024) messages per call
+MAX_BUFFERS = 1024        # iovecs per datagram (IOV_MAX)
+
+
+def check_socket(sock, what):
+    """``sock`` must be an IPv4 datagram socket."""
+    if getattr(sock, "family", None) != socket.AF_INET \
+            or getattr(sock, "type", None) != socket.SOCK_DGRAM:
+        raise ValueError("%s needs an AF_INET datagram socket, not %r" % (what, sock))
+
+
+def check_recv(sock, ring, slot_size, max_batch):
+    """The argument rules of ``recv_batch``; returns the ring as a writable byte memoryview."""
+    check_socket(sock, "recv_batch")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise ValueError("recv_batch: max_batch %d is not in 1..%d" % (max_batch, MAX_BATCH))
+    if slot_size < 1:
+        raise ValueError("recv_batch: slot_size %d is not positive" % slot_size)
+    view = memoryview(ring)
+    if view.readonly:
+        raise ValueError("recv_batch: the ring is read-only")
+    if not view.c_contiguous:
+        raise ValueError("recv_batch: the ring is not contiguous")
+    view = view.cast("B")
+    if view.nbytes < slot_size * max_batch:
+        raise ValueError("recv_batch: the ring has %d bytes; %d slots of %d bytes need %d"
+                         % (view.nbytes, max_batch, slot_size, slot_size * max_batch))
+    return view
+
+
+def address(addr, index):
+    """Message ``index``'s destination as ``(dotted IPv4 host, port)``; ValueError naming the
+    message and the address if it is not one."""
+    if not isinstance(addr, tuple) or len(addr) != 2:
+        raise ValueError("send_batch: message %d: the address %r is not a (host, port) tuple"
+                         % (index, addr))
+    host, port = addr
+    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool):
+        raise ValueError("send_batch: message %d: the address %r is not a (str host, int port)"
+                         % (index, addr))
+    if not 0 <= port <= 65535:
+        raise ValueError("send_batch: message %d: port %d of %r is not in 0..65535"
+                         % (index, port, addr))
+    try:
+        socket.inet_pton(socket.AF_INET, host)
+        return host, port
+    except OSError:
+        pass
+    try:
+        return socket.gethostbyname(host), port
+    except (OSError, UnicodeError) as e:
+        raise ValueError("send_batch: message %d: host %r of %r is not an IPv4 address (%s)"
+                         % (index, host, addr, e)) from None
+
+
+def check_buffers(buffers, index):
+    """Message ``index``'s buffers must be a list or tuple of at most MAX_BUFFERS contiguous
+    bytes-like objects; returns their total size."""
+    if not isinstance(buffers, (list, tuple)):
+        raise ValueError("send_batch: message %d: the buffers are a %s, not a list"
+                         % (index, type(buffers).__name__))
+    if len(buffers) > MAX_BUFFERS:
+        raise ValueError("send_batch: message %d has %d buffers; a datagram gathers at most %d"
+                         % (index, len(buffers), MAX_BUFFERS))
+    total = 0
+    for j, b in enumerate(buffers):
+        try:
+            mv = memoryview(b)
+        except TypeError:
+            raise ValueError("send_batch: message %d, buffer %d: a %s is not a bytes-like object"
+                             % (index, j, type(b).__name__)) from None
+        if not mv.c_contiguous:
+            raise ValueError("send_batch: message %d, buffer %d is not contiguous" % (index, j))
+        total += mv.nbytes
+    return total
+
+
+def check_message(msg, index):
+    """``(buffers, addr)`` of message ``index``, checked; returns ``(buffers, (host, port))``."""
+    if not isinstance(msg, tuple) or len(msg) != 2:
+        raise ValueError("send_batch: message %d is not a (buffers, (host, port)) pair" % index)
+    buffers, addr = msg
+    check_buffers(buffers, index)
+    return buffers, address(addr, index)
+
+
+def recv_batch(sock, ring, slot_size, max_batch):
+    """Read up to ``max_batch`` datagrams into the ring's slots (see module doc)."""
+    view = check_recv(sock, ring, slot_size, max_batch)
+    out = []
+    flags = socket.MSG_DONTWAIT
+    for i in range(max_batch):
+        try:
+            n, addr = sock.recvfrom_into(view[i * slot_size:(i + 1) * slot_size], slot_size,
+                                         flags)
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:
+            if out:          # the next call reports it
+                break
+            raise
+        out.append((n, addr))
+    return out
+
+
+def send_batch(sock, msgs):
+    """Send each ``(buffers, (host, port))`` of ``msgs`` as one datagram (see module doc)."""
+    check_socket(sock, "send_batch")
+    checked = [check_message(m, i) for i, m in enumerate(msgs)]
+    flags = socket.MSG_DONTWAIT
+    for i, (buffers, addr) in enumerate(checked):
+        try:
+            sock.sendmsg(buffers, [], flags, addr)
+        except (BlockingIOError, InterruptedError):
+            return i
+        except OSError:
+            if i:            # the next call, from this message, reports it
+                return i
+            raise
+    return len(checked)
+
+
+def _open(dgram, addr, paths, itemsize_of):
+    """``(Fields, payload)`` of one acceptable datagram, or None (see ``open_batch``)."""
+    try:
+        worker = pk.peek_worker(dgram)
+    except pk.PacketError:
+        return None
+    entry = paths[worker] if worker < len(paths) else None
+    if entry is None or entry[0] != addr or not entry[1].check(dgram):
+        return None
+    try:
+        return pk.decode(dgram, itemsize_of)
+    except Exception:      # refused (or a bug): the caller's reference path says which
+        return None
+
+
+def check_open(view, slot_size, got):
+    """The argument rules of ``open_batch``: ``got`` must fit the ring's slots."""
+    nbytes = memoryview(view).nbytes
+    if len(got) * slot_size > nbytes:
+        raise ValueError("open_batch: %d datagrams of %d-byte slots do not fit the %d-byte ring"
+                         % (len(got), slot_size, nbytes))
+    for i, (size, _) in enumerate(got):
+        if not 0 <= size <= slot_size:
+            raise ValueError("open_batch: datagram %d has %d bytes, a slot %d"
+                             % (i, size, slot_size))
+
+
+def open_batch(view, slot_size, got, paths, itemsize_of):
+    """Open each datagram of a ``recv_batch`` result (see module doc)."""
+    check_open(view, slot_size, got)
+    return [_open(view[i * slot_size:i * slot_size + size], addr, paths, itemsize_of)
+            for i, (size, addr) in enumerate(got)]

@@ -1,0 +1,314 @@
+"""A worker's LTP endpoint: large gradient slices go out as paced UDP packets.
+
+Owned by the worker's I/O thread (``roles.worker``), which hands it a push once the push's turn
+has come (the per-server priority queue and send window are the same as for TCP), calls
+``pump`` to send what the pacing allows and ``receive`` when ACKs are waiting, and sleeps until
+``wake_at``.  A push is cut into packets of whole elements (``packet``); its DATA packets are
+*normal* (a lost one is never resent: the server's Early Close and Bubble Filling deal with it);
+its END, sent after the last DATA packet, is *critical*: resent (with a new packet number) until
+ACKed, with a timeout from the path's RTT and a doubling backoff.  The END's ACK completes the
+push, as the server's ACK of a TCP push does.
+
+Each (worker -> server) path paces at its ``rate.PathRate`` model: bottleneck rate and minimum
+RTT from the ACKs, random loss not taken for congestion.  The packets one pump sends on a path
+go out together, with one system call (``kernels.ltp.send_batch``: sendmmsg, each datagram
+gathered from its header, the gradient's memoryview and its tag); ACKs are read in batches too
+(``recv_batch``).
+
+Test-only: ``drop`` > 0 (MXPS_LTP_DROP) drops that fraction of DATA packets here, at random from
+a seeded generator, instead of sending them, as a lossy network would (the rate model sees them
+as lost too).
+"""
+import collections
+import json
+import logging
+import random
+import socket
+
+from . import packet as pk
+from ..kernels.ltp import recv_batch, send_batch
+from .rate import PathRate
+from .receiver import SO_RCVBUFFORCE, SO_SNDBUFFORCE, big_buffer
+
+log = logging.getLogger("mxps.ltp")
+
+SNDBUF = 8 << 20
+BURST = 32                 # packets sent per path per pump before looking at the others
+MIN_RTO = 0.005
+MAX_RTO = 1.0
+ACK_BATCH = 64             # ACK datagrams per read
+ACK_SLOT = 4096            # an ACK: a 12-byte head, pk.MAX_ACK_RANGES ranges of 8, the tag: 1052
+IP_MTU = getattr(socket, "IP_MTU", 14)
+
+
+def path_mtu(host, port):
+    """The MTU of the route to (host, port), as the kernel knows it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((host, port))
+        return s.getsockopt(socket.IPPROTO_IP, IP_MTU)
+    except OSError:
+        return 1500
+    finally:
+        s.close()
+
+
+class _Push:
+    __slots__ = ("h", "data", "itemsize", "epp", "n", "next", "on_done", "end_pns", "end_at",
+                 "first_end", "rto", "sent_bytes", "tries")
+
+    def __init__(self, h, payload, itemsize, budget, on_done):
+        self.h = h
+        self.data = memoryview(payload).cast("B")
+        self.itemsize = itemsize
+        self.epp = pk.elements_per_packet(budget, itemsize)
+        self.n = pk.packet_count(h.length, self.epp)
+        self.next = 0              # next DATA packet; n: the END is next; n + 1: END sent
+        self.on_done = on_done
+        self.end_pns = []          # every END sent (an ACK of any of them completes the push)
+        self.end_at = None         # the last END's send time
+        self.first_end = None
+        self.rto = None
+        self.sent_bytes = 0
+        self.tries = 0
+
+
+class _Path:
+    __slots__ = ("server", "addr", "tagger", "budget", "rate", "pn", "queue", "ends", "waiting")
+
+    def __init__(self, server, addr, key, budget, now, initial_rate):
+        self.server = server
+        self.addr = addr
+        self.tagger = pk.Tagger(key)
+        self.budget = budget
+        self.rate = PathRate(now, initial_rate=initial_rate, mss=budget + pk.OVERHEAD)
+        self.pn = 0
+        self.queue = collections.deque()     # pushes with packets still to send
+        self.ends = {}                       # END packet number -> its push (not ACKed yet)
+        self.waiting = []                    # pushes whose END is not ACKed yet
+
+
+class Sender:
+    """The UDP socket of worker ``worker`` and one path per server."""
+
+    def __init__(self, worker, host, drop=0.0, seed=0, itemsize_of=None):
+        self.worker = worker
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        big_buffer(self.sock, socket.SO_SNDBUF, SO_SNDBUFFORCE, SNDBUF)
+        big_buffer(self.sock, socket.SO_RCVBUF, SO_RCVBUFFORCE, 1 << 20)
+        self.sock.bind((host, 0))
+        self.sock.setblocking(False)
+        self.host = host
+        self.port = self.sock.getsockname()[1]
+        self.paths = {}
+        self._by_addr = {}
+        self.drop = drop
+        self._rng = random.Random((seed << 16) ^ worker)
+        self._ring = bytearray(ACK_BATCH * ACK_SLOT)
+        self._out = []                        # (buffers, address) a pump has for its path
+        self.counts = collections.Counter()
+
+    def hello_body(self, server_host, server_port):
+        """The LTP_HELLO body for a server at (host, TCP port): this socket and the path MTU."""
+        return json.dumps({"host": self.host, "port": self.port,
+                           "mtu": path_mtu(server_host, server_port)}).encode()
+
+    def add_path(self, server, server_host, reply, now, initial_rate=None):
+        """Install the path to ``server`` from its LTP_HELLO reply body."""
+        try:
+            body = json.loads(bytes(reply))
+            port, key, budget = int(body["port"]), bytes.fromhex(body["key"]), int(body["budget"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError("LTP_HELLO reply of server %d does not parse: %s" % (server, e)) \
+                from None
+        path = _Path(server, (server_host, port), key, budget, now, initial_rate)
+        self.paths[server] = path
+        self._by_addr[path.addr] = path
+
+    def takes(self, server, h, payload, min_bytes, itemsize):
+        """Whether this push goes by LTP: a path to its server, a floating-point slice of at
+        least ``min_bytes`` (smaller slices, integer keys and control go by TCP)."""
+        return (server in self.paths and itemsize is not None
+                and payload is not None and memoryview(payload).nbytes >= min_bytes)
+
+    def enqueue(self, server, h, payload, itemsize, on_done):
+        """Send push ``h`` of ``payload``; ``on_done(push)`` runs when its END is ACKed."""
+        path = self.paths[server]
+        path.queue.append(_Push(h, payload, itemsize, path.budget, on_done))
+
+    @property
+    def busy(self):
+        return any(p.queue or p.waiting for p in self.paths.values())
+
+    # -- sending -------------------------------------------------------------------------
+    def pump(self, now):
+        """Send what pacing allows on every path; resend overdue ENDs.  Returns the time of the
+        next thing to do (None: nothing to do until an ACK or a new push)."""
+        wake = None
+        for path in self.paths.values():
+            t = self._pump_path(path, now)
+            self._flush(path)
+            if t is not None and (wake is None or t < wake):
+                wake = t
+        return wake
+
+    def _pump_path(self, path, now):
+        rate = path.rate
+        wake = None
+        for push in list(path.waiting):       # overdue ENDs first: they are critical
+            due = push.end_at + push.rto
+            if now >= due:
+                push.rto = min(MAX_RTO, push.rto * 2)
+                self.counts["end_resent"] += 1
+                self._send_end(path, push, now)
+                due = push.end_at + push.rto
+            wake = due if wake is None else min(wake, due)
+        sent = 0
+        while path.queue and sent < BURST:
+            push = path.queue[0]
+            size = self._next_size(push) + pk.OVERHEAD
+            t = rate.next_send_time(size, now)
+            if t > now:
+                wake = t if wake is None else min(wake, t)
+                break
+            if push.next < push.n:
+                self._send_data(path, push, now)
+            else:
+                path.queue.popleft()
+                self._send_end(path, push, now)
+                end_due = push.end_at + push.rto
+                wake = end_due if wake is None else min(wake, end_due)
+            sent += 1
+        else:
+            if path.queue:
+                wake = now
+        if not path.queue and not path.waiting:
+            rate.idle(now)
+        return wake
+
+    def _next_size(self, push):
+        if push.next >= push.n:
+            return 0
+        return min(push.epp, push.h.length - push.next * push.epp) * push.itemsize
+
+    def _send_data(self, path, push, now):
+        h = push.h
+        seq = push.next
+        count = min(push.epp, h.length - seq * push.epp)
+        lo = seq * push.epp * push.itemsize
+        payload = push.data[lo:lo + count * push.itemsize]
+        pn = path.pn
+        path.pn += 1
+        push.next += 1
+        bufs = pk.encode(path.tagger, pk.DATA, self.worker, h.dtype, pn & pk.PN_MASK, h.key,
+                         h.plan_version,
+                         h.iteration, h.offset, h.length, seq, count, payload)
+        size = len(bufs[0]) + payload.nbytes + pk.TAG_SIZE
+        push.sent_bytes += payload.nbytes
+        path.rate.on_send(pn, size, now)
+        if self.drop and self._rng.random() < self.drop:
+            self.counts["dropped_on_purpose"] += 1
+            return
+        self._transmit(path, bufs)
+        self.counts["data"] += 1
+
+    def _send_end(self, path, push, now):
+        h = push.h
+        pn = path.pn
+        path.pn += 1
+        bufs = pk.encode(path.tagger, pk.END, self.worker, h.dtype, pn & pk.PN_MASK, h.key,
+                         h.plan_version,
+                         h.iteration, h.offset, h.length, push.n, 0)
+        path.rate.on_send(pn, pk.OVERHEAD, now)
+        if push.rto is None:
+            rtt = path.rate.min_rtt
+            push.rto = max(MIN_RTO, 4 * rtt) if rtt else 4 * MIN_RTO
+        if push.next <= push.n:
+            push.next = push.n + 1
+            push.first_end = now
+            path.waiting.append(push)
+        push.end_pns.append(pn)
+        push.end_at = now
+        push.tries += 1
+        path.ends[pn] = push
+        self._transmit(path, bufs)
+        self.counts["end"] += 1
+
+    def _transmit(self, path, bufs):
+        """Queue one datagram for ``path``; ``pump`` sends the path's queue (``_flush``) once
+        its pacing loop is done (the buffers, the gradient's among them, are not copied)."""
+        self._out.append((bufs, path.addr))
+
+    def _flush(self, path):
+        """Send what ``_transmit`` queued for ``path``, in order, with as few system calls as
+        the socket allows.  A datagram the full send buffer does not take is as good as lost
+        on the wire (``sndbuf_full``); one that fails is counted and logged (``send_error``);
+        either way the next one is tried, as when each was sent alone."""
+        msgs, self._out = self._out, []
+        i = 0
+        while i < len(msgs):
+            try:
+                sent = send_batch(self.sock, msgs[i:] if i else msgs)
+            except OSError as e:                 # datagram i failed
+                self.counts["send_error"] += 1
+                log.warning("mxps worker %d: LTP send to server %d failed: %s", self.worker,
+                            path.server, e)
+                i += 1
+                continue
+            if sent == 0:                        # the send buffer is full at datagram i
+                self.counts["sndbuf_full"] += 1  # as good as lost on the wire
+                sent = 1
+            i += sent
+
+    # -- ACKs ----------------------------------------------------------------------------
+    def receive(self, now):
+        """Read waiting ACKs; returns the pushes whose END they acknowledged."""
+        done = []
+        view = memoryview(self._ring)
+        for _ in range(256 // ACK_BATCH):
+            got = recv_batch(self.sock, self._ring, ACK_SLOT, ACK_BATCH)
+            for i, (size, addr) in enumerate(got):
+                self._ack(view[i * ACK_SLOT:i * ACK_SLOT + size], addr, now, done)
+            if len(got) < ACK_BATCH:
+                break
+        return done
+
+    def _ack(self, dgram, addr, now, done):
+        """One datagram read from the socket: an ACK of a path (the pushes whose END it
+        acknowledges go to ``done``), or counted and dropped."""
+        path = self._by_addr.get(addr)
+        if path is None:
+            self.counts["ack_stranger"] += 1
+            return
+        try:
+            ranges, grant = pk.decode_ack_grant(dgram, path.tagger, self.worker)
+        except pk.PacketError as e:
+            self.counts["ack_" + e.reason] += 1
+            return
+        # packet numbers travel modulo 2**32; the path counts on (unwrap near the last)
+        last = path.pn - 1
+        pns = [last - ((last - pn) & pk.PN_MASK)
+               for first, n in ranges for pn in range(first, first + n)]
+        if grant:             # the server's share for this worker (ltp.share)
+            path.rate.cap(grant)
+        path.rate.on_ack(pns, now)
+        for pn in pns:
+            push = path.ends.get(pn)
+            if push is not None:
+                done.append(push)
+                for other in push.end_pns:      # every END of it, resent ones too
+                    path.ends.pop(other, None)
+                path.waiting.remove(push)
+
+    def oldest_end(self):
+        """(first END time, server, push) of the push waiting longest for its END's ACK, or
+        None."""
+        worst = None
+        for path in self.paths.values():
+            for push in path.waiting:
+                if worst is None or push.first_end < worst[0]:
+                    worst = (push.first_end, path.server, push)
+        return worst
+
+    def close(self):
+        self.sock.close()
