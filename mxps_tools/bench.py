@@ -111,7 +111,9 @@ from . import jobs
 #: The benchmark's training job ships inside the package: ``python -m mxps_tools.bench_job``.
 BENCH_JOB = ["-m", "mxps_tools.bench_job"]
 MODELS = ("resnet18_v1", "alexnet", "vgg11", "mlp")
-SCENARIOS = ("homogeneous", "static", "dynamic")
+SCENARIOS = ("homogeneous", "static", "dynamic", "incast")
+#: incast: every link at the same rate, the switch ports' queue this shallow unless --queue-ms
+INCAST_QUEUE_MS = 2.0
 QDISC_SAMPLE_SECONDS = 0.5
 #: A server is "following" when its share of the step's bytes is at most this times its target.
 FOLLOW_TOLERANCE = 1.15
@@ -153,6 +155,10 @@ SYSTEMS = [
            "mxps with MXNet's placement, one slot per server part"),
     System("mxps-adaptive", "mxps", {"MXPS_PLAN": "adaptive"},
            "mxps with bandwidth-aware placement (issue #4)"),
+    System("mxps-ltp", "mxps", {"MXPS_PLAN": "chunked", "MXPS_PUSH": "ltp"},
+           "mxps-default with LTP, the loss-tolerant push over UDP (issue #11)"),
+    System("mxps-adaptive-ltp", "mxps", {"MXPS_PLAN": "adaptive", "MXPS_PUSH": "ltp"},
+           "mxps-adaptive with LTP, the loss-tolerant push over UDP (issue #11)"),
 ]
 DEFAULT_SYSTEMS = ("native", "native-p3", "mxps-default", "mxps-adaptive")
 
@@ -269,6 +275,14 @@ def p90(xs) -> float:
     if len(xs) < 2:
         return xs[0] if xs else float("nan")
     return statistics.quantiles(xs, n=10, method="inclusive")[-1]
+
+
+def p99(xs) -> float:
+    """The 99th percentile, interpolated as ``p90`` (with few steps: near the slowest)."""
+    xs = list(xs)
+    if len(xs) < 2:
+        return xs[0] if xs else float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[-1]
 
 
 _SIZES_SCRIPT = r"""
@@ -446,6 +460,33 @@ def follow_changes(steps, changes, tolerance=FOLLOW_TOLERANCE):
 
 # --------------------------------------------------------------------------- what users feel
 
+def ltp_stats(metrics, num_servers) -> Optional[dict]:
+    """The servers' LTP reports of one run (``<metrics>.server<r>.ltp.json``, written at a
+    clean shutdown with MXPS_PUSH=ltp), summed: rounds, why they closed, the fraction of the
+    gradient packets delivered in time; None when no server wrote one (TCP runs)."""
+    reports = []
+    for r in range(num_servers):
+        path = "%s.server%d.ltp.json" % (metrics.replace("{rank}", "x"), r)
+        try:
+            with open(path) as f:
+                reports.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    if not reports:
+        return None
+    total = {}
+    for rep in reports:
+        for k, v in rep.get("stats", {}).items():
+            total[k] = total.get(k, 0) + v
+    expected = total.get("packets_expected", 0)
+    return {"servers": len(reports), "rounds": total.get("rounds", 0),
+            "closed": {k[len("close_"):]: v for k, v in total.items() if k.startswith("close_")},
+            "delivered": total.get("packets_received", 0) / expected if expected else None,
+            "late": total.get("drop_late", 0), "stats": total,
+            "loss_estimate": [x for rep in reports for x in rep.get("loss_estimate", [])],
+            "budget": reports[0].get("budget")}
+
+
 def step_summary(workers) -> dict:
     """Step times of one run from its workers' result lines (``step_seconds``,
     ``step_start_abs``, ``step_end_abs``): ``mean_s`` = the job's time for its N timed steps / N
@@ -465,7 +506,7 @@ def step_summary(workers) -> dict:
     t1 = max(w["step_end_abs"][-1] for w in workers)
     steps = [t for w in workers for t in w["step_seconds"]]
     return {"timed_steps": n, "window": [t0, t1], "mean_s": (t1 - t0) / n,
-            "median_s": statistics.median(steps), "p90_s": p90(steps)}
+            "median_s": statistics.median(steps), "p90_s": p90(steps), "p99_s": p99(steps)}
 
 
 def job_e2e_seconds(nodes) -> Optional[float]:
@@ -523,9 +564,18 @@ def aggregate_runs(records, names) -> List[dict]:
              "e2e_s": _mean(r.get("e2e_s") for r in ok),
              "median_s": _mean(r["median_s"] for r in ok),
              "p90_s": _mean(r["p90_s"] for r in ok),
+             "p99_s": _mean(r.get("p99_s") for r in ok),
              "floor_s": _mean(r.get("floor_s") for r in ok),
              "moves": [r.get("moves") for r in ok]}
         a["floor_share"] = a["floor_s"] / a["mean_s"] if a["floor_s"] and a["mean_s"] else None
+        ltp = [r["ltp"] for r in ok if r.get("ltp")]
+        if ltp:
+            closed = {}
+            for x in ltp:
+                for k, v in x["closed"].items():
+                    closed[k] = closed.get(k, 0) + v
+            a["ltp"] = {"delivered": _mean(x["delivered"] for x in ltp), "closed": closed,
+                        "rounds": sum(x["rounds"] for x in ltp)}
         for key in ("speedup", "speedup_vs_native"):
             xs = [r[key] for r in ok if r.get(key) is not None]
             a[key + "_range"] = [min(xs), max(xs)] if xs else None
@@ -767,6 +817,9 @@ class Options:
     period: Optional[float] = None   # dynamic: seconds between moves (from the 1st timed step)
     period_steps: Optional[int] = None   # dynamic: timed steps between moves instead
     repeat: int = 1
+    loss: float = 0.0                # percent of packets dropped towards every server
+    queue_ms: Optional[float] = None   # switch queue (None: emunet's default; incast 2 ms)
+    mtu: int = 1500
     schedule: Optional[list] = None
     timeout: float = 900.0
     out_dir: str = "mxps-bench-out"
@@ -786,6 +839,12 @@ class Bench:
         self.expected_sizes = None     # parameter sizes the slow ranks were resolved from
 
     # ---- network ------------------------------------------------------------------------
+    def queue_ms(self):
+        """The switch queue in ms (None: emunet's default): --queue-ms, else 2 ms for incast."""
+        if self.o.queue_ms is not None:
+            return self.o.queue_ms
+        return INCAST_QUEUE_MS if self.o.scenario == "incast" else None
+
     def server_nodes(self):
         return ["s%d" % i for i in range(self.o.num_servers)]
 
@@ -813,7 +872,7 @@ class Bench:
         if o.schedule is not None:
             return [(float(t), {run.node_of(n): r for n, r in ch.items()})
                     for t, ch in o.schedule]
-        if o.scenario == "homogeneous":
+        if o.scenario in ("homogeneous", "incast"):
             return []
         if o.scenario == "static":
             return [(0.0, {run.rank_nodes[run.variant["slow_rank"]]: o.rate / o.slow_factor})]
@@ -994,6 +1053,7 @@ class Bench:
             self._byte_stats(rec, workers, run, before, after)
         if metrics_files:
             self._follow_stats(rec, res, metrics_files, paths["shares_png"])
+            rec["ltp"] = ltp_stats(paths["metrics"], o.num_servers)
         return rec
 
     def server_rates_at(self, rec, t):
@@ -1151,8 +1211,13 @@ class Bench:
         try:
             if o.network == "emunet":
                 nodes = jobs.node_names(o.num_workers, o.num_servers)
+                shape = {"mtu": o.mtu}
+                if self.queue_ms() is not None:
+                    shape["queue_ms"] = self.queue_ms()
+                if o.loss:
+                    shape["loss"] = {n: o.loss for n in self.server_nodes()}
                 with emunet.Topology(nodes, rates=self.base_rates(),
-                                     prefix=o.netns_prefix) as topo:
+                                     prefix=o.netns_prefix, **shape) as topo:
                     self.topo = topo
                     self.addresses = {n: topo.addr(n) for n in nodes}
                     for rep, v, s in self.run_order:
@@ -1267,6 +1332,15 @@ def _options_line(o) -> str:
     sc = "--schedule" if o["schedule"] is not None else o["scenario"]
     text = "scenario %s: %d workers x %d servers, %s, links %g Mbit/s" % (
         sc, o["num_workers"], o["num_servers"], o["model"], o["rate"])
+    queue = o.get("queue_ms")
+    if queue is None and sc == "incast":
+        queue = INCAST_QUEUE_MS
+    if queue is not None:
+        text += ", switch queue %g ms" % queue
+    if o.get("loss"):
+        text += ", %g%% loss towards every server" % o["loss"]
+    if o.get("mtu", 1500) != 1500:
+        text += ", MTU %d" % o["mtu"]
     if sc in ("static", "dynamic"):
         text += ", slow link %g Mbit/s (R/%g)" % (o["rate"] / o["slow_factor"], o["slow_factor"])
     if sc == "static":
@@ -1294,7 +1368,7 @@ def _variant_title(v, aggs) -> str:
 
 
 def _variant_table(v, repeat) -> str:
-    headers = ["system", "mean s", "e2e s", "median s", "p90 s"]
+    headers = ["system", "mean s", "e2e s", "median s", "p90 s", "p99 s"]
     if repeat > 1:
         headers += ["mean min-max", "sd"]
     headers += ["speedup", "vs native", "floor s", "% of floor"]
@@ -1308,7 +1382,7 @@ def _variant_table(v, repeat) -> str:
         row = [a["name"] + ("" if a["ok_runs"] == a["runs"] else
                             " (%d/%d ok)" % (a["ok_runs"], a["runs"])),
                "%.3f" % a["mean_s"], _fmt("%.1f", a["e2e_s"]), "%.3f" % a["median_s"],
-               "%.3f" % a["p90_s"]]
+               "%.3f" % a["p90_s"], _fmt("%.3f", a.get("p99_s"))]
         if repeat > 1:
             row += ["%.3f-%.3f" % (a["mean_s_min"], a["mean_s_max"]),
                     _fmt("%.3f", a["mean_s_stdev"])]
@@ -1403,6 +1477,13 @@ def format_table(summary) -> str:
         lines.append("")
         lines.append(_variant_title(v, v["systems"]))
         lines.append(_variant_table(v, repeat))
+        for a in v["systems"]:
+            if a.get("ltp"):
+                x = a["ltp"]
+                lines.append("%s: %s of the gradient packets in time; rounds closed: %s" % (
+                    a["name"], _fmt("%.1f%%", None if x["delivered"] is None
+                                    else 100 * x["delivered"]),
+                    ", ".join("%s %d" % kv for kv in sorted(x["closed"].items()))))
     over = summary.get("over_ranks")
     if over:
         lines.append("")
@@ -1543,6 +1624,13 @@ def add_arguments(p: argparse.ArgumentParser):
                         "instead (every system sees the same moves at the same steps), until 3 "
                         "steps before the end; the run has max(4P, 3P + 3) timed steps unless "
                         "--steps is given (at least 3P + 3: three moves)")
+    p.add_argument("--loss", type=float, default=0.0, metavar="PCT",
+                   help="random loss, percent of the packets towards every server (an nft rule "
+                        "in the switch; every scenario)")
+    p.add_argument("--queue-ms", type=float, default=None, metavar="MS",
+                   help="switch queue per port, ms at the link rate (default: emunet's 50 ms; "
+                        "incast %g ms)" % INCAST_QUEUE_MS)
+    p.add_argument("--mtu", type=int, default=1500, help="MTU of every link (9000: jumbo)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--out-dir", default="mxps-bench-out")
     p.add_argument("--netns-prefix", default="mxps-", help=argparse.SUPPRESS)
@@ -1576,6 +1664,7 @@ def options_from_args(a) -> Options:
                 compute_steps=a.compute_steps, rate=a.rate,
                 slow_factor=a.slow_factor, slow_rank=a.slow_rank, period=a.period,
                 period_steps=a.period_steps, repeat=a.repeat,
+                loss=a.loss, queue_ms=a.queue_ms, mtu=a.mtu,
                 timeout=a.timeout, out_dir=a.out_dir, netns_prefix=a.netns_prefix,
                 progress=not a.no_progress, plots=not a.no_plots)
     if a.quick:
@@ -1628,6 +1717,14 @@ def options_from_args(a) -> Options:
         raise BenchError("--repeat must be at least 1")
     if o.rate <= 0 or o.slow_factor <= 0:
         raise BenchError("--rate and --slow-factor must be positive")
+    if not 0 <= o.loss < 100:
+        raise BenchError("--loss %g: a percentage in [0, 100)" % o.loss)
+    if (o.loss or o.queue_ms is not None or o.mtu != 1500 or o.scenario == "incast") and \
+            o.network != "emunet":
+        raise BenchError("--loss, --queue-ms, --mtu and --scenario incast shape the emulated "
+                         "network (--network emunet)")
+    if o.queue_ms is not None and o.queue_ms <= 0:
+        raise BenchError("--queue-ms must be positive")
     if o.scenario == "static":
         parse_slow_ranks(o.slow_rank, o.num_servers)
     return o

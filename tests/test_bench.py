@@ -167,6 +167,42 @@ def test_the_clock_of_timed_moves_gives_one_move_per_period_for_as_long_as_a_run
     assert [k for k, _ in b.scenario_step_events(run)] == [2, 4, 6]
 
 
+def test_loss_queue_and_mtu_shape_the_emulated_network_and_incast_has_a_shallow_queue():
+    o = _options("--scenario", "incast", "-n", "8", "-s", "1", "--loss", "5", "--mtu", "9000")
+    assert (o.loss, o.mtu, o.queue_ms) == (5.0, 9000, None)
+    assert bench.Bench(o).queue_ms() == bench.INCAST_QUEUE_MS == 2.0
+    assert bench.Bench(_options("--scenario", "static")).queue_ms() is None
+    assert bench.Bench(_options("--scenario", "incast", "--queue-ms", "7")).queue_ms() == 7.0
+    for bad, why in ((["--loss", "100"], "percentage"), (["--queue-ms", "0"], "positive"),
+                     (["--network", "loopback", "--loss", "1"], "emulated network"),
+                     (["--network", "loopback", "--scenario", "incast"], "emulated network")):
+        with pytest.raises(bench.BenchError, match=why):
+            _options(*bad)
+    line = bench._options_line(dict(bench.dataclasses.asdict(o), schedule=None))
+    assert "switch queue 2 ms" in line and "5% loss towards every server" in line and \
+        "MTU 9000" in line
+
+
+def test_ltp_reports_of_the_servers_are_summed_per_run(tmp_path):
+    prefix = str(tmp_path / "metrics-run-{rank}.jsonl")
+    assert bench.ltp_stats(prefix, 2) is None               # a TCP run: no report
+    for r, (exp, got) in enumerate(((100, 90), (300, 290))):
+        with open("%s.server%d.ltp.json" % (prefix.replace("{rank}", "x"), r), "w") as f:
+            json.dump({"stats": {"rounds": 4, "close_ratio": 3, "close_ends": 1,
+                                 "packets_expected": exp, "packets_received": got,
+                                 "drop_late": r}, "loss_estimate": [0.1 * r],
+                       "budget": 8904}, f)
+    x = bench.ltp_stats(prefix, 2)
+    assert x["rounds"] == 8 and x["closed"] == {"ratio": 6, "ends": 2}
+    assert x["delivered"] == pytest.approx(380 / 400) and x["late"] == 1
+    assert x["loss_estimate"] == [0.0, 0.1] and x["budget"] == 8904
+
+
+def test_p99_is_near_the_slowest_step():
+    assert bench.p99([1.0] * 99 + [3.0]) == pytest.approx(1.02)
+    assert bench.p99([2.0]) == 2.0
+
+
 def test_repeat_interleaves_the_systems_rotating_their_order_every_rep():
     order = bench.plan_runs(["A", "B", "C"], [{"tag": "v"}], 4)
     assert [(rep, s) for rep, _, s in order] == [
@@ -215,6 +251,7 @@ def test_end_to_end_time_runs_from_the_first_launch_to_the_last_exit():
 def _rec(name, rep, mean, variant="v", **kw):
     return dict({"name": name, "rep": rep, "variant": variant, "ok": True, "mean_s": mean,
                  "e2e_s": 10 * mean, "median_s": mean * 0.9, "p90_s": mean * 1.2,
+                 "p99_s": mean * 1.4,
                  "floor_s": 0.25, "moves": 2}, **kw)
 
 
@@ -408,15 +445,16 @@ def test_report_puts_mean_e2e_median_p90_first_per_rank_then_the_mean_over_ranks
     assert "compute-only step (median) 0.012 s" in text
     assert "static, server rank 0 slow (lightest); speedup against native" in text
     header = next(ln.split() for ln in text.splitlines() if ln.startswith("system  "))
-    assert header[:9] == ["system", "mean", "s", "e2e", "s", "median", "s", "p90", "s"]
+    assert header[:11] == ["system", "mean", "s", "e2e", "s", "median", "s", "p90", "s", "p99",
+                           "s"]
     assert "floor" in header and "serial" not in text and "moves" not in header
     native, adaptive = _lines_of(text, "native"), _lines_of(text, "mxps-adaptive")
-    # mean, e2e, median, p90, speedup, vs native, floor, % of floor (floor / mean)
-    assert native[0] == ["native", "0.500", "5.0", "0.450", "0.600", "1.00x", "1.00x", "0.250",
-                         "50%"]
-    assert adaptive[0] == ["mxps-adaptive", "0.250", "2.5", "0.225", "0.300", "2.00x", "2.00x",
-                           "0.250", "100%"]
-    assert adaptive[1][:2] == ["mxps-adaptive", "0.400"] and adaptive[1][5] == "1.00x"
+    # mean, e2e, median, p90, p99, speedup, vs native, floor, % of floor (floor / mean)
+    assert native[0] == ["native", "0.500", "5.0", "0.450", "0.600", "0.700", "1.00x", "1.00x",
+                         "0.250", "50%"]
+    assert adaptive[0] == ["mxps-adaptive", "0.250", "2.5", "0.225", "0.300", "0.350", "2.00x",
+                           "2.00x", "0.250", "100%"]
+    assert adaptive[1][:2] == ["mxps-adaptive", "0.400"] and adaptive[1][6] == "1.00x"
     lines = text.splitlines()
     mean_over = next(i for i, ln in enumerate(lines) if "mean over server ranks 0, 1" in ln)
     # over ranks: mean 0.325 s, speedup mean (2 + 1) / 2, minimum 1
@@ -447,8 +485,8 @@ def test_report_over_reps_gives_the_spread_and_for_dynamic_the_moves():
     assert "mean min-max" in header and header.split()[-1] == "moves"
     row = _lines_of(text, "mxps-adaptive")[0]
     assert row[:4] == ["mxps-adaptive", "1.250", "12.5", "1.125"]
-    assert row[5:7] == ["1.000-1.500", "%.3f" % statistics.stdev([1.0, 1.5])]
-    assert row[7:9] == ["1.60x", "(1.33-2.00)"] and row[-1] == "3-4"
+    assert row[6:8] == ["1.000-1.500", "%.3f" % statistics.stdev([1.0, 1.5])]
+    assert row[8:10] == ["1.60x", "(1.33-2.00)"] and row[-1] == "3-4"
     assert _lines_of(text, "native")[0][-1] == "3"
 
 def test_native_server_ranks_are_read_from_ps_lites_scheduler_log():
