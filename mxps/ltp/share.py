@@ -17,7 +17,7 @@ grant keeps the sum near the server's link.  Pure: every method takes ``now``.
 from collections import deque
 
 WINDOW = 0.01          # seconds per rate sample
-CAPACITY_WINDOWS = 100     # capacity: the max over this many samples (1 s)
+CAPACITY_WINDOWS = 100     # capacity: the median over this many samples (1 s)
 ACTIVE = 0.5           # a worker is active if a packet of it came within this many seconds
 #                        (longer than a training step's compute: a round's early pushers do
 #                        not get the whole link just because the others have not started)
