@@ -2,7 +2,7 @@
 import pytest
 
 from mxps.ltp import share
-from mxps.ltp.share import Share, water_fill
+from mxps.ltp.share import Share
 
 
 def _feed(s, workers, rate, seconds, start=0.0, nbytes=9000, loss_every=None):
@@ -65,9 +65,3 @@ def test_a_batch_read_after_a_pause_does_not_set_the_capacity():
         s.on_packet(0, 9000, end + 0.011, 10 ** 6 + i)
     assert s.capacity == pytest.approx(10e6, rel=0.05)
 
-
-@pytest.mark.parametrize("capacity,rates,level", [
-    (100.0, [10, 90, 90], 45.0), (100.0, [50, 50], 50.0), (90.0, [10, 20, 100], 60.0),
-    (60.0, [100, 100, 100], 20.0)])
-def test_water_fill_gives_the_unused_share_to_the_others(capacity, rates, level):
-    assert water_fill(capacity, rates) == pytest.approx(level)

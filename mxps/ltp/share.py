@@ -10,7 +10,7 @@ and a batch read after a pause looks like a burst far above the link), and grant
 that got faster is found.  Not a max-min (water-filling) share: measured, it gave more than
 the link in all (sum of grants 1.8x the capacity), because on a busy machine a worker's
 packets come in clumps and a worker that looks slow in one window is only late, not limited
-elsewhere (``water_fill`` is kept for a server that can tell the two apart).  The worker paces at
+elsewhere (a max-min share needs a server that can tell the two apart).  The worker paces at
 ``min(its BBR rate, the grant)``: BBR still finds a bottleneck of its own (a slow uplink), the
 grant keeps the sum near the server's link.  Pure: every method takes ``now``.
 """
@@ -78,15 +78,3 @@ class Share:
             return 0.0
         return HEADROOM * self.capacity / len(active)
 
-
-def water_fill(capacity, rates):
-    """The max-min fair level: workers sending less than it keep their rate, the others get
-    the level, and the total is ``capacity``."""
-    remaining, k = float(capacity), len(rates)
-    for r in sorted(rates):
-        level = remaining / k
-        if r >= level or k == 1:
-            return level
-        remaining -= r
-        k -= 1
-    return remaining / max(k, 1)
