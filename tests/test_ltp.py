@@ -611,12 +611,36 @@ def test_the_adaptive_deadline_comes_from_earlier_rounds_spans():
     open_round(s, GRADS2, [{1}, set()], clock)
     assert s.next_wake() == pytest.approx(clock.t + 0.002)       # no history: no deadline
     tick(s)
-    (span,) = s.slots[(KEY, 0)].spans
+    (span,) = s.slots[(KEY, 0)].spans.spans
     assert span > 0
     p0, _ = push_packets(GRADS2[0], 0, 2)
     p1, _ = push_packets(GRADS2[1], 1, 2)
     feed(s, [p0[0], p1[0]], clock)
     assert s.next_wake() == pytest.approx(clock.t + deadline_for([span]))
+
+
+def test_a_round_cut_by_the_deadline_lengthens_the_next_ones_deadline():
+    """The lock-in this prevents: rounds closed by the deadline used to add no span, so after a
+    lasting slowdown the deadline never grew and cut every round short."""
+    s = ltp_server(2, grace=0.002)
+    clock = Clock()
+    open_round(s, GRADS2, [{1}, set()], clock)
+    tick(s)                                         # closes by the ENDs: a history
+    dl = s.slots[(KEY, 0)].spans
+    assert dl.backoff == 1 and len(dl.spans) == 1
+    base = deadline_for(dl.spans)
+    p0, _ = push_packets(GRADS2[0], 0, 2)
+    p1, _ = push_packets(GRADS2[1], 1, 2)
+    feed(s, [p0[0], p1[0]], clock)                  # round 2: a tail still to come, no END
+    heard = clock.t
+    assert s.next_wake() == pytest.approx(heard + base)
+    tick(s)
+    assert s.ltp_stats["close_deadline"] == 1
+    assert dl.backoff == 2 and len(dl.spans) == 2   # the cut round counts too
+    q0, _ = push_packets(GRADS2[0], 0, 3)
+    q1, _ = push_packets(GRADS2[1], 1, 3)
+    feed(s, [q0[0], q1[0]], clock)
+    assert s.next_wake() == pytest.approx(clock.t + 2 * deadline_for(dl.spans))
 
 
 def test_a_pull_of_a_round_is_answered_only_once_the_round_closed():

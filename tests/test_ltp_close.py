@@ -222,3 +222,65 @@ def test_the_deadline_needs_a_history_and_lies_between_the_spans_it_comes_from(x
 def test_a_slower_history_never_shortens_the_deadline(xs, extra):
     slower = [x + extra for x in xs]
     assert close.deadline_for(slower) >= close.deadline_for(xs) - 1e-12
+
+
+@PROPS
+@given(st.floats(1.0, 64.0), st.sampled_from(close.REASONS))
+def test_the_backoff_doubles_at_a_deadline_close_and_halves_at_any_other(b, reason):
+    nb = close.next_backoff(b, reason)
+    assert 1.0 <= nb <= 64.0
+    if reason == close.DEADLINE:
+        assert nb == pytest.approx(min(64.0, 2 * b))
+    else:
+        assert nb == pytest.approx(max(1.0, b / 2))
+
+
+@PROPS
+@given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=9), st.floats(1.0, 64.0))
+def test_the_backoff_multiplies_the_deadline(xs, b):
+    assert close.deadline_for(xs, backoff=b) == pytest.approx(b * close.deadline_for(xs))
+
+
+def _slowdown(span_before, span_after, rounds=60):
+    """Rounds of one slice whose packets take ``span_before`` then, for ever, ``span_after``
+    seconds after the last worker is heard: each closes complete if the deadline lets it, or by
+    the deadline (a late tail, cut: its span is the deadline).  The reasons, in order."""
+    d = close.Deadline()
+    for _ in range(8):
+        d.closed(close.COMPLETE, span_before)
+    out = []
+    for _ in range(rounds):
+        dl = d.value()
+        if dl >= span_after:
+            d.closed(close.COMPLETE, span_after)
+            out.append(close.COMPLETE)
+        else:
+            d.closed(close.DEADLINE, dl)
+            out.append(close.DEADLINE)
+    return out
+
+
+@PROPS
+@given(st.floats(0.001, 0.05), st.floats(1.0, 300.0))
+def test_after_a_lasting_slowdown_the_deadline_catches_up_in_log_rounds(before, factor):
+    """The defect this fixes: closed by the deadline, rounds added no span, so after a lasting
+    slowdown every round closed by the deadline for ever.  Now the deadline closes at most
+    log2(factor) + 2 rounds, all near the start, and then never again."""
+    after = before * factor
+    reasons = _slowdown(before, after)
+    cut = [i for i, r in enumerate(reasons) if r == close.DEADLINE]
+    assert len(cut) <= math.log2(factor) + 2
+    assert not cut or cut[-1] < 2 * (math.log2(factor) + 2)
+    assert reasons[-10:] == [close.COMPLETE] * 10
+
+
+def test_a_single_late_round_costs_the_next_ones_nothing_lasting():
+    d = close.Deadline()
+    for _ in range(8):
+        d.closed(close.COMPLETE, 0.01)
+    base = d.value()
+    d.closed(close.DEADLINE, base)           # one straggler cut short
+    assert d.value() > base                   # the next round gets longer
+    for _ in range(3):
+        d.closed(close.COMPLETE, 0.01)
+    assert d.value() == pytest.approx(base)   # and it is forgotten

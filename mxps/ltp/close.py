@@ -24,11 +24,21 @@ Both thresholds adapt to what the server measured:
   With z = 1 the rule fires at the very end of a part whose loss was about average; the END
   rule (2) covers the rest: a lower ratio would close while packets are still arriving and
   add their loss to the network's.
-- ``deadline_for(spans)``: ``d_min`` plus ``(1 + margin)`` times the median of this slice's
-  last rounds' spans (from the last worker heard to the last packet, rounds that closed by
-  ``complete`` or ``ends``), so a round gets about twice as long as such rounds take; None
-  (no deadline) until there is a history.
+- ``deadline_for(spans, backoff)``: ``backoff`` times (``d_min`` plus ``(1 + margin)`` times the
+  median of this slice's last rounds' spans, from the last worker heard to the last packet), so
+  a round gets about three times as long as recent rounds took; None (no deadline) until there
+  is a history.  Every close adds its span, a deadline close too (there the span is cut short,
+  a lower bound), and ``next_backoff`` doubles the factor at a deadline close (up to ``cap``)
+  and halves it (down to 1) at any other.  Without the backoff a lasting slowdown locked the
+  deadline in: rounds closed by the deadline recorded no span, so the deadline never learnt
+  that rounds had become longer and kept cutting every round short (measured by
+  scripts/ltp_fairness.py; docs/LTP.md).  A deadline close is evidence of lateness, not loss:
+  the END is reliable, so a worker whose END has not come is still sending (or its END is
+  being resent); a lost tail closes the round by ``ends``.  After a k-fold lasting slowdown
+  the deadline closes about log2(k) + 1 rounds, then rounds complete again
+  (tests/test_ltp_close.py).
 """
+import collections
 import math
 
 COMPLETE, ENDS, RATIO, DEADLINE = "complete", "ends", "ratio", "deadline"
@@ -47,15 +57,45 @@ def acceptance_ratio(n, loss, z=1.0, floor=0.8):
     return min(1.0, max(floor, r))
 
 
-def deadline_for(spans, d_min=0.010, margin=2.0):
+def deadline_for(spans, d_min=0.010, margin=2.0, backoff=1.0):
     """Seconds after the last worker is heard before the round closes anyway, from the spans
-    (seconds) of this slice's recent rounds; None without history."""
+    (seconds) of this slice's recent rounds and the backoff factor; None without history."""
     xs = sorted(s for s in spans if s is not None and s >= 0)
     if not xs:
         return None
     mid = len(xs) // 2
     median = xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
-    return d_min + (1.0 + margin) * median
+    return max(1.0, float(backoff)) * (d_min + (1.0 + margin) * median)
+
+
+def next_backoff(backoff, reason, cap=64.0):
+    """The deadline's factor after a round closed for ``reason``: doubled (to ``cap``) by a
+    deadline close, halved (to 1) by any other."""
+    b = max(1.0, float(backoff))
+    return min(float(cap), 2.0 * b) if reason == DEADLINE else max(1.0, 0.5 * b)
+
+
+class Deadline:
+    """One slice's deadline state: its recent spans and backoff factor (see module doc)."""
+
+    __slots__ = ("spans", "backoff", "d_min", "margin")
+
+    def __init__(self, history=8, d_min=0.010, margin=2.0):
+        self.spans = collections.deque(maxlen=history)
+        self.backoff = 1.0
+        self.d_min = d_min
+        self.margin = margin
+
+    def value(self):
+        """The deadline for the next look (seconds), None without history."""
+        return deadline_for(self.spans, self.d_min, self.margin, self.backoff)
+
+    def closed(self, reason, span):
+        """A round closed for ``reason`` after ``span`` seconds from its last worker heard to
+        its last packet (None: no packet)."""
+        if span is not None:
+            self.spans.append(max(0.0, float(span)))
+        self.backoff = next_backoff(self.backoff, reason)
 
 
 def decide(now, expected, received, heard, ends, ratio, grace, deadline):

@@ -17,7 +17,6 @@ import sys
 import socket
 import struct
 import time
-from collections import deque
 
 import numpy as np
 
@@ -136,7 +135,7 @@ class LtpReceiver:
         self.ctl.bind(("0.0.0.0", spec.port))
         self.ctl.listen(spec.senders + 8)
         self.receiver = None
-        self.spans = deque(maxlen=8)
+        self.spans = close.Deadline()
         self.first_byte = None
         self.stats = {}
         self._round = None
@@ -192,7 +191,7 @@ class LtpReceiver:
                 ratio = close.acceptance_ratio(rnd.n, loss)
                 reason, wake = close.decide(now, [rnd.n] * rnd.workers, rnd.received,
                                             rnd.heard, rnd.ends, ratio, 0.002,
-                                            close.deadline_for(self.spans))
+                                            self.spans.value())
                 if reason is not None:
                     break
                 if now > deadline:
@@ -203,8 +202,7 @@ class LtpReceiver:
                 select.select([sock], [], [], timeout)
         finally:
             self._round = None
-        if reason != close.DEADLINE and rnd.last is not None:
-            self.spans.append(max(0.0, rnd.last - max(rnd.heard)))
+        self.spans.closed(reason, None if rnd.last is None else rnd.last - max(rnd.heard))
         rnd.fill("zero")
         delivered = sum(rnd.received[w] for w in range(rnd.workers))
         got = int(delivered * epp * 4) if delivered < rnd.n * rnd.workers else \

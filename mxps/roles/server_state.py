@@ -281,7 +281,7 @@ class _Slot:
         self.applied = 0                # rounds completed
         self.rounds = {}                # round -> _Round
         self.waiting = []               # (client, header) pulls waiting for a later round
-        self.spans = collections.deque(maxlen=8)   # LTP: recent rounds' arrival spans
+        self.spans = ltp_close.Deadline()           # LTP: recent rounds' spans, backoff
 
 
 class _Incoming:
@@ -915,7 +915,7 @@ class ServerState:
             worst = max(loss) if loss else 0.0
             ratio = ltp_close.acceptance_ratio(lt.n, worst, st.z, st.floor)
         if st.deadline < 0:
-            deadline = ltp_close.deadline_for(slot.spans)
+            deadline = slot.spans.value()
         else:
             deadline = st.deadline or None
         reason, wake = ltp_close.decide(now, [lt.n] * lt.workers, lt.received, lt.heard,
@@ -928,8 +928,7 @@ class ServerState:
             return
         rnd.closed = True
         rnd.frozen = lt.fill(st.fill)
-        if reason != ltp_close.DEADLINE and lt.last is not None:
-            slot.spans.append(max(0.0, lt.last - max(lt.heard)))
+        slot.spans.closed(reason, None if lt.last is None else lt.last - max(lt.heard))
         stats = self.ltp_stats
         stats["rounds"] += 1
         stats["close_" + reason] += 1
