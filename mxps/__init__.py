@@ -6,8 +6,8 @@
 
 launched like native dist_sync with MXNet's own launcher (mxnet/tools/launch.py).  In scheduler
 and server processes ``import mxps`` runs mxps's role and exits (mxps.roles.takeover); in workers it
-registers the kvstore names ``mxps`` (sync; MXPS_MODE=async for async), ``mxps_sync`` and
-``mxps_async``, and applies the in-process fixes MXNet 1.9.1 needs (mxps.adapter.fixes).
+registers the kvstore names ``mxps`` (sync; MXPS_MODE=async or wsp for the others),
+``mxps_sync``, ``mxps_async`` and ``mxps_wsp``, and applies the in-process fixes MXNet 1.9.1 needs (mxps.adapter.fixes).
 """
 from ._version import __version__
 

@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 
 
 ROLES = ("worker", "server", "scheduler")
-MODES = ("sync", "async")
+MODES = ("sync", "async", "wsp")
 PLANS = ("default", "chunked", "adaptive")
 PUSHES = ("tcp", "ltp")
 FILLS = ("rescale", "zero")
@@ -57,6 +57,10 @@ class Config:
     trace: str = ""
     job_info: str = ""
     hwm: int = 1000
+    # MXPS_MODE=wsp: rounds wait for k workers (0: chosen from push intervals), no worker
+    # more than wsp_staleness rounds behind (docs/WSP.md)
+    wsp_k: int = 0
+    wsp_staleness: int = 2
     # MXPS_PUSH=ltp: the loss-tolerant push over UDP (docs/LTP.md)
     push: str = "tcp"
     ltp_fill: str = "rescale"
@@ -83,7 +87,8 @@ class Config:
 
     @property
     def sync(self):
-        return self.mode == "sync"
+        """Rounds (sync and wsp): pushes are summed per round, pulls wait for their round."""
+        return self.mode in ("sync", "wsp")
 
 
 def _get(env, name, default=None, required=False):
@@ -128,6 +133,19 @@ def _bool(env, name, default=False):
     if v.lower() in ("0", "false", "no", "off"):
         return False
     raise ConfigError("%s=%r: use 1 or 0" % (name, v))
+
+
+def _wsp(env):
+    """MXPS_WSP_K (``auto`` or 1..W) and MXPS_WSP_STALENESS (docs/WSP.md)."""
+    k = (_get(env, "MXPS_WSP_K", "auto")).lower()
+    if k == "auto":
+        k = 0
+    else:
+        k = _int(env, "MXPS_WSP_K", minimum=1)
+        workers = env.get("DMLC_NUM_WORKER")
+        if workers and workers.isdigit() and k > int(workers):
+            raise ConfigError("MXPS_WSP_K=%d exceeds DMLC_NUM_WORKER=%s" % (k, workers))
+    return {"wsp_k": k, "wsp_staleness": _int(env, "MXPS_WSP_STALENESS", 2, minimum=0)}
 
 
 def _ltp(env):
@@ -267,7 +285,7 @@ def from_env(env=None, mode=None):
     if mode is None:
         mode = (_get(env, "MXPS_MODE", "sync")).lower()
     if mode not in MODES:
-        raise ConfigError("MXPS_MODE=%r: expected 'sync' or 'async'" % mode)
+        raise ConfigError("MXPS_MODE=%r: expected 'sync', 'async' or 'wsp'" % mode)
     plan = (_get(env, "MXPS_PLAN", "default")).lower()
     if plan not in PLANS:
         raise ConfigError("MXPS_PLAN=%r: expected one of %s" % (plan, ", ".join(PLANS)))
@@ -305,6 +323,7 @@ def from_env(env=None, mode=None):
         trace=_get(env, "MXPS_TRACE", ""),
         job_info=_get(env, "MXPS_JOB_INFO", ""),
         hwm=_int(env, "MXPS_HWM", 1000, minimum=16),
+        **_wsp(env),
         **_ltp(env),
         secret=_secret(env),
         **_fault(env),
@@ -315,6 +334,13 @@ def from_env(env=None, mode=None):
         raise ConfigError("MXPS_PUSH=ltp and MXPS_REPLAN_OVERLAP=1 do not go together: LTP "
                           "packets of a plan whose state still moves would be dropped; use the "
                           "quiescent re-plan (MXPS_REPLAN_OVERLAP=0)")
+    if cfg.mode == "wsp" and cfg.push == "ltp":
+        raise ConfigError("MXPS_MODE=wsp and MXPS_PUSH=ltp do not go together yet: an LTP round "
+                          "waits for every worker's packets; use MXPS_PUSH=tcp with wsp")
+    if cfg.mode == "wsp" and cfg.replanning:
+        raise ConfigError("MXPS_MODE=wsp and live re-planning (MXPS_PLAN=adaptive) do not go "
+                          "together yet: a re-plan point needs every worker at the same round; "
+                          "set MXPS_REPLAN_INTERVAL=0 or another MXPS_PLAN")
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError("MXPS_HEARTBEAT_TIMEOUT=%s must exceed twice MXPS_HEARTBEAT_INTERVAL=%s"
                           % (cfg.heartbeat_timeout, cfg.heartbeat_interval))

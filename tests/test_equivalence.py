@@ -90,6 +90,13 @@ CASES += [
     # bandwidth-proportional placement (start-up probe): other slices, the same training
     ("mlp_big-3x2-adaptive_plan", 3, 2, dict(model="mlp_big", **BIG_BOUND),
      dict(model="mlp_big", MXPS_PLAN="adaptive", MXPS_MIN_SLICE=1024, **BIG_BOUND)),
+    # WSP with k = W waits for every worker: BSP exactly (docs/WSP.md)
+    ("sgd-3x2-wsp_k3", 3, 2, dict(), dict(update_on_kvstore=True, MXPS_MODE="wsp",
+                                          MXPS_WSP_K=3)),
+    ("adam_lrmult-2x2-wsp_k2-update_on_workers", 2, 2,
+     dict(optimizer="adam", lr_mult=True, simulate=True),
+     dict(optimizer="adam", lr_mult=True, update_on_kvstore=False, MXPS_MODE="wsp",
+          MXPS_WSP_K=2)),
 ]
 
 

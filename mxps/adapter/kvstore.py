@@ -692,3 +692,10 @@ class MXPS_Sync(MXPS):
     """``kvstore='mxps_sync'``: synchronous, whatever MXPS_MODE says."""
 
     _mode = "sync"
+
+
+@KVStoreBase.register
+class MXPS_Wsp(MXPS):
+    """``kvstore='mxps_wsp'``: WSP rounds (docs/WSP.md), whatever MXPS_MODE says."""
+
+    _mode = "wsp"

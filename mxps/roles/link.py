@@ -73,7 +73,7 @@ def parse_welcome(payload):
             isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
             and isinstance(a[1], int) and 0 < a[1] < 65536 for a in addrs):
         raise wire.WireError("WELCOME: %d server addresses %r" % (servers, addrs))
-    if body.get("mode") not in ("sync", "async") or rank < 0 or workers < 1:
+    if body.get("mode") not in ("sync", "async", "wsp") or rank < 0 or workers < 1:
         raise wire.WireError("WELCOME: rank %d, %d workers, mode %r"
                              % (rank, workers, body.get("mode")))
     return body

@@ -29,7 +29,7 @@ from ..wire import frame as wire, tcp as transport
 from ..wire.frame import MsgType
 from . import link as control
 from .link import SchedulerLink, poll_forever
-from .server_state import LtpSettings, Out, ServerState
+from .server_state import LtpSettings, Out, ServerState, WspSettings
 
 log = logging.getLogger("mxps.server")
 
@@ -39,7 +39,7 @@ BATCH = 64      # requests handled before the scheduler link and peers get a loo
 ALLOWED = {
     "worker": frozenset((MsgType.INIT, MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL,
                          MsgType.SET_OPTIMIZER, MsgType.GET_STATES, MsgType.SET_STATES,
-                         MsgType.PROBE, MsgType.LTP_HELLO)),
+                         MsgType.PROBE, MsgType.LTP_HELLO, MsgType.LEAVE)),
     "server": frozenset((MsgType.MIGRATE,)),
 }
 _IDENTITY = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")
@@ -103,8 +103,12 @@ class Server:
                               loss=lambda: self.ltp.loss)
             log.info("server %d: LTP on udp %s:%d, %d payload bytes per packet (MTU %d)",
                      self.rank, host, self.ltp.port, self.ltp.budget, self.ltp.mtu)
+        wsp = None
+        if self.cfg.mode == "wsp":      # docs/WSP.md
+            wsp = WspSettings(self.cfg.wsp_k, self.cfg.wsp_staleness, time.monotonic)
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
-                                 num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp)
+                                 num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp,
+                                 wsp=wsp)
         self.peer_addrs = welcome["servers"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
         self.drops = transport.Tally(log)

@@ -52,6 +52,7 @@ from ..store.memory import MemorySlice
 from ..wire import frame as wire, typed
 from ..wire.auth import Tally
 from ..wire.frame import MsgType
+from . import wsp as wsp_rules
 
 log = logging.getLogger("mxps.server")
 
@@ -246,6 +247,19 @@ class _Round:
         return self.closed if self.ltp is not None else len(self.senders) >= num_workers
 
 
+class WspSettings:
+    """What a server's WSP rounds follow (docs/WSP.md): ``k`` workers per round (0: chosen from
+    the measured push intervals, ``wsp.choose_k``), the staleness bound ``staleness``, and the
+    clock push times are read from (needed for k = 0)."""
+
+    def __init__(self, k=0, staleness=2, clock=None):
+        if k == 0 and clock is None:
+            raise ValueError("WSP with k chosen from push intervals needs a clock")
+        self.k = k
+        self.staleness = staleness
+        self.clock = clock
+
+
 class LtpSettings:
     """What a server's LTP rounds follow (docs/LTP.md): the filling, the acceptance ratio (0:
     adaptive), the deadline (-1: adaptive, 0: none), the grace after the last END, the packet
@@ -269,7 +283,7 @@ class _Slot:
     """This server's slice of one key: where it is, its rounds, and its numbers (``store``)."""
 
     __slots__ = ("key", "offset", "length", "dtype_code", "store", "applied", "rounds",
-                 "waiting", "index", "spans")
+                 "waiting", "index", "spans", "wsp")
 
     def __init__(self, key, offset, length, dtype_code, store):
         self.key = key
@@ -282,6 +296,7 @@ class _Slot:
         self.rounds = {}                # round -> _Round
         self.waiting = []               # (client, header) pulls waiting for a later round
         self.spans = ltp_close.Deadline()           # LTP: recent rounds' spans, backoff
+        self.wsp = None                 # MXPS_MODE=wsp: the slice's wsp.SliceWsp
 
 
 class _Incoming:
@@ -438,7 +453,8 @@ class ServerState:
     """Everything server ``rank`` knows; ``on_request``, ``on_scheduler`` and
     ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
 
-    def __init__(self, rank, num_workers, sync, num_servers=None, trace=None, ltp=None):
+    def __init__(self, rank, num_workers, sync, num_servers=None, trace=None, ltp=None,
+                 wsp=None):
         self.rank = rank
         self.num_workers = num_workers
         self.sync = sync
@@ -461,6 +477,10 @@ class ServerState:
         self.ltp = ltp
         self._wakes = []           # (time, key, offset, round): when an open round may close
         self.ltp_stats = collections.Counter()
+        # MXPS_MODE=wsp (docs/WSP.md): WspSettings or None (BSP); the workers that left
+        self.wsp = wsp
+        self.gone = set()
+        self.wsp_stats = collections.Counter()
         # messages that are nobody's request (stray peer replies, PLANs that do not parse):
         # dropped, counted and logged rate-limited
         self.drops = Tally(log)
@@ -565,6 +585,9 @@ class ServerState:
                     length=0)
 
     def _send_value(self, client, header, slot):
+        if self.wsp is not None and 0 <= header.sender < self.num_workers:
+            clock = self.wsp.clock
+            self._wsp_of(slot).received(header.sender, slot.applied, clock() if clock else None)
         if self._trace is not None:
             self._data_row("pull_answered", slot, header.iteration, header.sender,
                            slot.store.snapshot.nbytes, header.request_id)
@@ -722,6 +745,8 @@ class ServerState:
             if self._trace is not None:
                 self._data_row("push_applied", slot, h.iteration, h.sender, grad.nbytes,
                                h.request_id)
+        elif self.wsp is not None:
+            self._account_wsp(slot, h, grad)
         else:
             self._account(slot, h, grad)
         if h.type == MsgType.PUSH:
@@ -754,11 +779,59 @@ class ServerState:
             self._ltp_check(slot, h.iteration, rnd, self._ltp_now)
         self._complete_rounds(slot)
 
+    def _account_wsp(self, slot, h, grad):
+        """WSP: a push goes into the round ``wsp.SliceWsp.place`` gives it (the round it was
+        computed for, or a later one if that completed without it); rounds complete by
+        ``_wsp_ready``."""
+        ws = self._wsp_of(slot)
+        clock = self.wsp.clock
+        try:
+            r = ws.place(h.sender, h.iteration, slot.applied, clock() if clock else None)
+        except ValueError as e:
+            raise RequestError("key %d: worker %d %s" % (h.key, h.sender, e)) from None
+        if r != h.iteration:
+            self.wsp_stats["folded"] += 1
+        rnd = slot.rounds.get(r)
+        if rnd is None:
+            rnd = slot.rounds[r] = self._new_round(slot, grad)
+            copy_into(rnd.acc, grad)
+        else:
+            add_into(rnd.acc, grad, h.dtype)
+        rnd.senders.add(h.sender)
+        self._complete_rounds(slot)
+
+    def _wsp_of(self, slot):
+        if slot.wsp is None:
+            slot.wsp = wsp_rules.SliceWsp(self.num_workers)
+        return slot.wsp
+
+    def _wsp_ready(self, slot, r, rnd):
+        """Whether WSP round ``r`` may complete now (``wsp.may_complete``)."""
+        ws = self._wsp_of(slot)
+        k = self.wsp.k
+        if k <= 0:
+            active = [w for w in range(self.num_workers) if w not in self.gone]
+            times = ws.intervals()
+            k = wsp_rules.choose_k([times[w] for w in active])
+        return wsp_rules.may_complete(r, rnd.senders, ws.base, min(k, self.num_workers),
+                                      self.wsp.staleness, self.gone)
+
     def _complete_rounds(self, slot):
         while True:          # in order: an early round waits for the ones before it
             nxt = slot.rounds.get(slot.applied + 1)
-            if nxt is None or not nxt.complete(self.num_workers):
+            if nxt is None:
                 break
+            if self.wsp is None:
+                if not nxt.complete(self.num_workers):
+                    break
+            elif not nxt.senders or not self._wsp_ready(slot, slot.applied + 1, nxt):
+                break
+            else:
+                n = len(nxt.senders)
+                self.wsp_stats["rounds"] += 1
+                self.wsp_stats["contributions"] += n
+                if n != self.num_workers:     # the expected sum of a full round
+                    nxt.acc *= nxt.acc.dtype.type(wsp_rules.scale(self.num_workers, n))
             del slot.rounds[slot.applied + 1]
             self._apply(slot, nxt)
             slot.applied += 1
@@ -789,11 +862,19 @@ class ServerState:
         # only complete once every worker pushed r+1, and a worker pushes r+1 of a key only
         # after its pull of round r was answered, so no reply of round r is still being sent
         # when the weights change.  Async mode applies pushes any time: replies get a copy.
-        store.serve_weights(copy=not self.sync)
+        store.serve_weights(copy=not self.sync or self.wsp is not None)
+
+    def _pull_ready(self, slot, h):
+        """Whether a sync pull can be answered now: its round is complete (WSP: the round the
+        worker's push of that label went into)."""
+        if self.wsp is None:
+            return h.iteration <= slot.applied
+        r = self._wsp_of(slot).pull_round(h.sender, h.iteration)
+        return r is not None and r <= slot.applied
 
     def _on_pull(self, client, h):
         slot = self._slot_for(h)
-        if not self.sync or h.iteration <= slot.applied:
+        if not self.sync or self._pull_ready(slot, h):
             self._send_value(client, h, slot)
         else:
             slot.waiting.append((client, h))
@@ -804,12 +885,20 @@ class ServerState:
         if not slot.waiting:
             return
         still = []
+        answered = False
         for client, h in slot.waiting:
-            if h.iteration <= slot.applied:
+            if self._pull_ready(slot, h):
                 self._send_value(client, h, slot)
+                answered = True
             else:
                 still.append((client, h))
         slot.waiting = still
+        if answered and self.wsp is not None:
+            # a worker's newer value can lift the staleness bound of the next round
+            applied = slot.applied
+            self._complete_rounds(slot)
+            if slot.applied != applied:
+                self._answer_waiting(slot)
 
     # -- LTP: the loss-tolerant push (docs/LTP.md) -------------------------------------------
     _ltp_now = 0.0     # the time of the last packet or tick (a TCP push into an LTP round)
@@ -1239,7 +1328,21 @@ class ServerState:
         self._to_scheduler({"version": version,
                             "error": "%s: %s" % (type(error).__name__, error)})
 
+    def _on_leave(self, client, h, payload):
+        """A worker that has finished: WSP rounds stop counting on it and stop waiting for it
+        (``wsp.may_complete``); the rounds it held up complete now."""
+        if h.sender in self.gone:
+            raise RequestError("worker %d left twice" % h.sender)
+        self.gone.add(h.sender)
+        if self.wsp is not None:
+            for slot in list(self.slots.values()):
+                if slot.rounds:
+                    self._complete_rounds(slot)
+                    self._answer_waiting(slot)
+        self._reply(client, h, MsgType.ACK, length=0)
+
     _HANDLERS = {
+        MsgType.LEAVE: _on_leave,
         MsgType.MIGRATE: _on_migrate,
         MsgType.PROBE: _on_probe,
         MsgType.INIT: _on_init,

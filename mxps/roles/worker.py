@@ -278,6 +278,11 @@ class Client:
         if self._finished:
             return
         self._finished = True
+        if self.cfg.mode == "wsp":
+            # WSP rounds stop counting on this worker (docs/WSP.md): without this, the rounds
+            # the others still push into would wait for it for ever
+            for server in range(self.num_servers):
+                self.call(server, Header(MsgType.LEAVE, sender=self.rank), what="leave")
         self._queue.append((None, Header(MsgType.FINISH, sender=self.rank), None, None, None))
         self._wake()
         if not self.link.wait_for(lambda: self.link.shutdown, self.cfg.timeout):

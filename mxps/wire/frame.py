@@ -72,6 +72,8 @@ class MsgType(enum.IntEnum):
                         # update count), typed payload; answered with ACK
     LTP_HELLO = 29      # worker -> server: JSON {host, port, mtu} of the worker's UDP socket
                         # (MXPS_PUSH=ltp); answered with DATA: JSON {port, key, budget}
+    LEAVE = 30          # worker -> server: this worker pushes no more (MXPS_MODE=wsp: rounds
+                        # stop counting on it); answered with ACK
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)

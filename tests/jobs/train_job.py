@@ -34,6 +34,8 @@ Environment:
                          become ready that many seconds late (an engine operation holding
                          them sleeps), so its pushes leave late while the training thread
                          goes on.
+  JOB_SLOW               "rank:seconds": that rank sleeps that long in every step (a worker
+                         that computes slowly: a straggler).
   JOB_SEED               seed for initialisation, the same on every worker (default 42).
   JOB_OUT                directory; each worker writes weights_rank{R}.npz (every parameter
                          by name) and meta_rank{R}.json (rank, num_workers, kvstore type,
@@ -85,6 +87,8 @@ MODEL = os.environ.get("JOB_MODEL", "mlp")
 KV_OBJECT = _env_flag("JOB_KV_OBJECT") or False
 SEED = _env_int("JOB_SEED", 42)
 WAITALL = _env_flag("JOB_WAITALL") is not False
+SLOW = [float(x) for x in os.environ["JOB_SLOW"].split(":")] if os.environ.get("JOB_SLOW") \
+    else None
 DELAY = [float(x) for x in os.environ["JOB_DELAY"].split(":")] if os.environ.get("JOB_DELAY") \
     else None
 OUT = os.environ.get("JOB_OUT", "")
@@ -194,6 +198,8 @@ def run_gluon():
             loss.backward()
         if DELAY and (rank, step) == (int(DELAY[0]), int(DELAY[1])):
             delay_gradients(params, DELAY[2])
+        if SLOW and rank == int(SLOW[0]):
+            time.sleep(SLOW[1])
         trainer.step(BATCH)
         if WAITALL:
             mx.nd.waitall()
