@@ -367,7 +367,8 @@ def test_runtime_fix_keeps_a_registered_plugin_kvstore_and_native_names_unchange
     # before: the plugin is silently dropped everywhere
     assert out["before"] == {"model": [None, False], "trainer": [None, False],
                              "module": [None, False]}
-    assert set(out["changed"]) == {"mxnet.model", "mxnet.gluon.trainer", "mxnet.module.module"}
+    assert set(out["changed"]) == {"mxnet.model", "mxnet.gluon.trainer", "mxnet.module.module",
+                                  "mxnet.gluon.trainer.KVStore"}
     assert out["changed_again"] == []
     # after: the plugin instance, in every module that bound the name
     assert out["after"] == {"model": ["Dummyname", False], "trainer": ["Dummyname", False],

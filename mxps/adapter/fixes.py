@@ -3,6 +3,13 @@
 The same fix as patch file 0002 (``patches/``, applied to the installed files by the tool
 ``mxps-patch``), for what can be repaired in the running interpreter without touching files:
 ``mxnet.model._create_kvstore`` drops a registered Python kvstore plugin on one device.
+
+And one without a patch file: Gluon's Trainer refuses any kvstore that is not the native
+``KVStore`` class once a parameter has row-sparse gradients ("Cannot use ... for multi-device
+training with sparse gradients", a guard meant for native local multi-device training), so a
+Python plugin such as mxps could never train an ``Embedding(sparse_grad=True)``.  The name
+``KVStore`` that check reads in ``mxnet.gluon.trainer`` becomes ``(KVStore, KVStoreBase)``:
+registered plugins pass, anything else is refused as before.
 """
 import importlib
 import logging
@@ -91,4 +98,12 @@ def apply_runtime_fixes(role, update_on_kvstore_default):
         else:
             setattr(mod, "_create_kvstore", fixed)
         changed.append(modname)
+    try:
+        trainer = importlib.import_module("mxnet.gluon.trainer")
+    except ImportError:                 # pragma: no cover - part of every mxnet 1.9.1
+        return changed
+    if getattr(trainer, "KVStore", None) is kvs.KVStore:
+        # the only use of the name in trainer.py is the sparse-gradient isinstance check
+        trainer.KVStore = (kvs.KVStore, kvs.KVStoreBase)
+        changed.append("mxnet.gluon.trainer.KVStore")
     return changed

@@ -32,6 +32,7 @@ from ..kernels import engine
 from ..placement import plan as plan_mod, trace as trace_mod
 from ..placement.metrics import StepMetrics
 from ..placement.plan import Plan, ProportionalRule, chunked_rule, mxnet_default_rule
+from ..roles import sparse as sparse_rows
 from ..roles.link import PeerLostError, fatal
 from ..roles.worker import Client
 from ..wire import frame as wire, typed
@@ -50,7 +51,7 @@ class KeyError_(KeyError):
 
 class _Key:
     __slots__ = ("name", "id", "shape", "dtype", "code", "size", "slices", "pushes", "seq",
-                 "reduce_buf")
+                 "reduce_buf", "cols")
 
     def __init__(self, name, id_, shape, dtype, slices):
         self.name = name
@@ -59,6 +60,8 @@ class _Key:
         self.dtype = np.dtype(dtype)
         self.code = wire.dtype_code(self.dtype)
         self.size = int(np.prod(self.shape)) if self.shape else 1
+        # row-sparse pushes and pulls: a row is the elements of one index of the first axis
+        self.cols = int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
         self.slices = slices
         self.pushes = 0
         self.seq = mx.nd.zeros((1,), ctx=mx.cpu(0))
@@ -493,6 +496,9 @@ class MXPS(KVStoreBase):
     def push(self, key, value, priority=0):
         for name, vals in _group(key, value):
             k = self._meta(name, "push")
+            if any(isinstance(v, mx.nd.NDArray) and v.stype == "row_sparse" for v in vals):
+                self._push_rows(k, vals, priority)
+                continue
             self._check(k, vals, "push")
             grad = self._reduce(k, vals)
             self._next_push(k)
@@ -503,6 +509,15 @@ class MXPS(KVStoreBase):
             raise ValueError("mxps: pull needs `out`")
         for name, outs in _group(key, out):
             k = self._meta(name, "pull")
+            if any(isinstance(o, mx.nd.NDArray) and o.stype != "default" for o in outs):
+                if ignore_sparse:       # MXNet's pull skips sparse outputs the same way
+                    outs = [o for o in outs if o.stype == "default"]
+                    if not outs:
+                        continue
+                else:
+                    raise TypeError("mxps: pull of key %r into %s storage: use "
+                                    "row_sparse_pull(key, out, row_ids=...)"
+                                    % (name, ", ".join(sorted({o.stype for o in outs}))))
             self._check(k, outs, "pull")
             self._launch(k, MsgType.PULL, None, outs[0], priority)
             for o in outs[1:]:
@@ -514,6 +529,10 @@ class MXPS(KVStoreBase):
             [o for _, o in _group(key, out)]
         for (name, vals), outs in zip(groups, outs_groups):
             k = self._meta(name, "pushpull")
+            if any(isinstance(v, mx.nd.NDArray) and v.stype == "row_sparse" for v in vals):
+                self._push_rows(k, vals, priority)           # then a pull, as MXNet does
+                self.pull(name, out=outs, priority=priority, ignore_sparse=False)
+                continue
             self._check(k, vals, "push")
             self._check(k, outs, "pull")
             grad = self._reduce(k, vals)
@@ -522,8 +541,142 @@ class MXPS(KVStoreBase):
             for o in outs[1:]:
                 outs[0].copyto(o)
 
+    # -- row-sparse keys (docs/SPARSE.md) ----------------------------------------------------
+    def _check_rows(self, k, arrays, what, stype):
+        for a in arrays:
+            if not isinstance(a, mx.nd.NDArray):
+                raise TypeError("mxps: %s of key %r: expected NDArray, got %s"
+                                % (what, k.name, type(a).__name__))
+            if a.stype != stype:
+                raise TypeError("mxps: %s of key %r: expected %s storage, got %s (every "
+                                "device's array must have the same storage)"
+                                % (what, k.name, stype, a.stype))
+            check_context(k.name, what, a)
+            if tuple(a.shape) != k.shape or np.dtype(a.dtype) != k.dtype:
+                raise ValueError("mxps: %s of key %r: %s %s differs from the %s %s it was "
+                                 "initialised with" % (what, k.name, tuple(a.shape),
+                                                       np.dtype(a.dtype), k.shape, k.dtype))
+        if self._cfg.replanning:
+            raise NotImplementedError("mxps: %s of key %r: row-sparse keys with live "
+                                      "re-planning (MXPS_PLAN=adaptive) are not supported yet; "
+                                      "set MXPS_REPLAN_INTERVAL=0" % (what, k.name))
+
+    def _push_rows(self, k, vals, priority):
+        """A row-sparse push: each slice gets the rows' elements inside it (an empty push if
+        none: every worker pushes every slice every round, so rounds still count).  The
+        gradient is read here, in the calling thread (it waits for backward), and sent by the
+        I/O thread; the key's next pull waits for the round on the server, as for a dense
+        push."""
+        self._check_rows(k, vals, "push", "row_sparse")
+        grad = vals[0]
+        for v in vals[1:]:                  # several devices: their sum, still row-sparse
+            grad = mx.nd.sparse.elemwise_add(grad, v.as_in_context(grad.context))
+        ids = grad.indices.asnumpy().astype(np.int64)
+        data = grad.data.asnumpy().reshape(ids.size, k.cols)
+        self._next_push(k)
+        it = k.pushes
+        what = "push of key %r" % (k.name,)
+        with self._idle:
+            self._inflight += 1
+        countdown = _Countdown(len(k.slices), self._op_done, what, self._client.link)
+        for s in k.slices:
+            sel, flat = sparse_rows.cut(ids, data, k.cols, s.offset, s.stop)
+            body = typed.pack({"cols": k.cols, "ids": np.ascontiguousarray(sel),
+                               "values": np.ascontiguousarray(flat)})
+            self._client.submit(s.server, Header(
+                MsgType.PUSH_ROWS, key=k.id, iteration=it, plan_version=self._plan.version,
+                offset=s.offset, length=s.length, dtype=k.code), body, countdown,
+                priority if self._cfg.sync else None)
+
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
-        raise NotImplementedError("mxps: row_sparse_pull (sparse weights) is not supported")
+        """Fill each row-sparse ``out`` with the rows ``row_ids`` of the key (duplicates and
+        order do not matter), after this worker's last push of it, as MXNet does.  Waits for
+        the rows (deadline MXPS_TIMEOUT)."""
+        if out is None or row_ids is None:
+            raise ValueError("mxps: row_sparse_pull needs `out` and `row_ids`")
+        for (name, outs), ids_list in zip(_group(key, out), self._row_id_groups(key, row_ids)):
+            k = self._meta(name, "row_sparse_pull")
+            self._check_rows(k, outs, "row_sparse_pull", "row_sparse")
+            if len(ids_list) == 1 and len(outs) > 1:
+                ids_list = ids_list * len(outs)
+            if len(ids_list) != len(outs):
+                raise ValueError("mxps: row_sparse_pull of key %r: %d outputs but %d row_ids"
+                                 % (name, len(outs), len(ids_list)))
+            for o, rid in zip(outs, ids_list):
+                rows = self._pull_rows(k, rid)
+                # Gluon pulls rows inside its forward pass (Parameter.row_sparse_data):
+                # filling `out` is the kvstore's business, not an operation to differentiate
+                with mx.autograd.pause():
+                    rows.copyto(o)
+
+    @staticmethod
+    def _row_id_groups(key, row_ids):
+        if isinstance(key, (list, tuple)):
+            groups = _as_list(row_ids)
+            if len(groups) != len(key):
+                raise ValueError("mxps: row_sparse_pull: %d keys but %d row_ids"
+                                 % (len(key), len(groups)))
+            return [_as_list(g) for g in groups]
+        return [_as_list(row_ids)]
+
+    def _pull_rows(self, k, rid):
+        """The rows ``rid`` (an NDArray of row ids) of key k as a RowSparseNDArray."""
+        if not isinstance(rid, mx.nd.NDArray):
+            raise TypeError("mxps: row_sparse_pull of key %r: row_ids must be NDArrays, got %s"
+                            % (k.name, type(rid).__name__))
+        ids = np.unique(rid.asnumpy().astype(np.int64).reshape(-1))
+        n_rows = k.shape[0] if k.shape else 1
+        if ids.size and (ids[0] < 0 or ids[-1] >= n_rows):
+            raise ValueError("mxps: row_sparse_pull of key %r: row ids must lie in [0, %d), "
+                             "got %d..%d" % (k.name, n_rows, ids[0], ids[-1]))
+        flat = np.empty(ids.size * k.cols, dtype=k.dtype)
+        done = threading.Event()
+        errors = []
+        wanted = []
+        for s in k.slices:
+            first = int(np.searchsorted(ids, s.offset // k.cols))
+            last = int(np.searchsorted(ids, -(-s.stop // k.cols)))
+            if first == last:
+                continue
+            head = max(0, s.offset - int(ids[first]) * k.cols)
+            tail = max(0, (int(ids[last - 1]) + 1) * k.cols - s.stop)
+            wanted.append((s, ids[first:last], first * k.cols + head, last * k.cols - tail))
+        left = [len(wanted)]
+        lock = threading.Lock()
+
+        def on_reply(lo, hi):
+            def fill(h, payload):
+                try:
+                    if h.type == MsgType.ERROR:
+                        errors.append(payload.bytes.decode())
+                    else:
+                        got = wire.payload_array(h, payload)
+                        if got.size != hi - lo:
+                            raise ValueError("%d elements for %d" % (got.size, hi - lo))
+                        flat[lo:hi] = got
+                except Exception as e:          # noqa: BLE001  (reported below)
+                    errors.append("%s: %s" % (type(e).__name__, e))
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+            return fill
+
+        if not wanted:
+            done.set()
+        for s, sel, lo, hi in wanted:
+            self._client.submit(s.server, Header(
+                MsgType.PULL_ROWS, key=k.id, iteration=k.pushes, plan_version=self._plan.version,
+                offset=s.offset, length=s.length), typed.pack({"cols": k.cols, "ids": sel}),
+                on_reply(lo, hi))
+        if not done.wait(self._cfg.timeout):
+            raise TimeoutError("mxps: row_sparse_pull of key %r got no answer within %.0f s "
+                               "(MXPS_TIMEOUT)" % (k.name, self._cfg.timeout))
+        if errors:
+            raise RuntimeError("mxps: row_sparse_pull of key %r failed: %s"
+                               % (k.name, errors[0]))
+        return mx.nd.sparse.row_sparse_array(
+            (flat.reshape((ids.size,) + k.shape[1:]), ids), shape=k.shape, dtype=k.dtype)
 
     def set_gradient_compression(self, compression_params):
         raise NotImplementedError("mxps: gradient compression is not supported")

@@ -39,7 +39,8 @@ BATCH = 64      # requests handled before the scheduler link and peers get a loo
 ALLOWED = {
     "worker": frozenset((MsgType.INIT, MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL,
                          MsgType.SET_OPTIMIZER, MsgType.GET_STATES, MsgType.SET_STATES,
-                         MsgType.PROBE, MsgType.LTP_HELLO, MsgType.LEAVE)),
+                         MsgType.PROBE, MsgType.LTP_HELLO, MsgType.LEAVE,
+                         MsgType.PUSH_ROWS, MsgType.PULL_ROWS)),
     "server": frozenset((MsgType.MIGRATE,)),
 }
 _IDENTITY = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")

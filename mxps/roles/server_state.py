@@ -52,7 +52,7 @@ from ..store.memory import MemorySlice
 from ..wire import frame as wire, typed
 from ..wire.auth import Tally
 from ..wire.frame import MsgType
-from . import wsp as wsp_rules
+from . import sparse, wsp as wsp_rules
 
 log = logging.getLogger("mxps.server")
 
@@ -232,11 +232,14 @@ def optimizer_index(key, offset):
 
 
 class _Round:
-    __slots__ = ("acc", "acc_nd", "senders", "ltp", "closed", "frozen", "wake")
+    __slots__ = ("acc", "acc_nd", "senders", "ltp", "closed", "frozen", "wake", "parts",
+                 "scale")
 
-    def __init__(self, acc, acc_nd):
+    def __init__(self, acc, acc_nd, parts=None):
         self.acc = acc            # numpy view of the sum
         self.acc_nd = acc_nd      # the NDArray behind it (update on servers), or None
+        self.parts = parts        # a row-sparse round: its pushes' (positions, values)
+        self.scale = 1.0          # WSP: W / contributors
         self.senders = set()
         self.ltp = None           # MXPS_PUSH=ltp: the packets' accounting (ltp.rounds.LtpRound)
         self.closed = False       # ... and whether Early Close ended it
@@ -294,7 +297,8 @@ class _Slot:
         self.store = store              # a MemorySlice
         self.applied = 0                # rounds completed
         self.rounds = {}                # round -> _Round
-        self.waiting = []               # (client, header) pulls waiting for a later round
+        self.waiting = []               # (client, header, positions or None) pulls waiting for
+                                        # a later round (positions: a PULL_ROWS's elements)
         self.spans = ltp_close.Deadline()           # LTP: recent rounds' spans, backoff
         self.wsp = None                 # MXPS_MODE=wsp: the slice's wsp.SliceWsp
 
@@ -584,13 +588,17 @@ class ServerState:
         self._reply(client, header, MsgType.ERROR, message.encode(), dtype=wire.NO_DTYPE,
                     length=0)
 
-    def _send_value(self, client, header, slot):
+    def _send_value(self, client, header, slot, pos=None):
         if self.wsp is not None and 0 <= header.sender < self.num_workers:
             clock = self.wsp.clock
             self._wsp_of(slot).received(header.sender, slot.applied, clock() if clock else None)
         if self._trace is not None:
             self._data_row("pull_answered", slot, header.iteration, header.sender,
                            slot.store.snapshot.nbytes, header.request_id)
+        if pos is not None:        # a PULL_ROWS: those elements, in the order of its rows
+            self._reply(client, header, MsgType.DATA, slot.store.snapshot[pos],
+                        dtype=slot.dtype_code, offset=slot.offset, length=int(pos.size))
+            return
         self._reply(client, header, MsgType.DATA, slot.store.snapshot, dtype=slot.dtype_code,
                     offset=slot.offset, length=slot.length)
 
@@ -670,7 +678,6 @@ class ServerState:
                                    h.request_id)
                 if not self.sync:
                     rnd = self._new_round(slot, grad)
-                    copy_into(rnd.acc, grad)
                     self._apply(slot, rnd)
                     slot.applied += 1
                 else:
@@ -739,7 +746,6 @@ class ServerState:
                 raise RequestError("key %d: dist_async needs the optimizer on the servers "
                                    "(update_on_kvstore=True / set_optimizer)" % h.key)
             rnd = self._new_round(slot, grad)
-            copy_into(rnd.acc, grad)
             self._apply(slot, rnd)
             slot.applied += 1
             if self._trace is not None:
@@ -763,10 +769,11 @@ class ServerState:
         rnd = slot.rounds.get(h.iteration)
         if rnd is None:
             rnd = slot.rounds[h.iteration] = self._new_round(slot, grad)
-            copy_into(rnd.acc, grad)
         elif h.sender in rnd.senders:
             raise RequestError("key %d: worker %d pushed round %d twice"
                                % (h.key, h.sender, h.iteration))
+        elif rnd.parts is not None or isinstance(grad, tuple):
+            self._add(slot, h, rnd, grad)
         elif rnd.ltp is not None:        # the others' packets came by LTP, this one by TCP
             if rnd.closed or not rnd.ltp.add_whole(h.sender, grad, self._ltp_now):
                 raise RequestError("key %d: worker %d pushed round %d by TCP after sending "
@@ -794,9 +801,8 @@ class ServerState:
         rnd = slot.rounds.get(r)
         if rnd is None:
             rnd = slot.rounds[r] = self._new_round(slot, grad)
-            copy_into(rnd.acc, grad)
         else:
-            add_into(rnd.acc, grad, h.dtype)
+            self._add(slot, h, rnd, grad)
         rnd.senders.add(h.sender)
         self._complete_rounds(slot)
 
@@ -831,7 +837,9 @@ class ServerState:
                 self.wsp_stats["rounds"] += 1
                 self.wsp_stats["contributions"] += n
                 if n != self.num_workers:     # the expected sum of a full round
-                    nxt.acc *= nxt.acc.dtype.type(wsp_rules.scale(self.num_workers, n))
+                    nxt.scale = wsp_rules.scale(self.num_workers, n)
+                    if nxt.parts is None:
+                        nxt.acc *= nxt.acc.dtype.type(nxt.scale)
             del slot.rounds[slot.applied + 1]
             self._apply(slot, nxt)
             slot.applied += 1
@@ -839,10 +847,31 @@ class ServerState:
                 self._data_row("round_complete", slot, slot.applied, -1, nxt.acc.nbytes)
 
     def _new_round(self, slot, grad):
-        return _Round(*slot.store.accumulator(grad, self.updater is not None))
+        """A round whose first push is ``grad``: a dense array (copied into a fresh sum) or a
+        row-sparse push's (positions, values)."""
+        if isinstance(grad, tuple):
+            return _Round(None, None, [grad])
+        rnd = _Round(*slot.store.accumulator(grad, self.updater is not None))
+        copy_into(rnd.acc, grad)
+        return rnd
+
+    def _add(self, slot, h, rnd, grad):
+        """Add a later push to a round; dense and row-sparse pushes do not mix."""
+        if (rnd.parts is not None) != isinstance(grad, tuple):
+            raise RequestError("key %d: worker %d pushed round %d %s, the others %s"
+                               % (h.key, h.sender, h.iteration,
+                                  "row-sparse" if isinstance(grad, tuple) else "dense",
+                                  "row-sparse" if rnd.parts is not None else "dense"))
+        if rnd.parts is not None:
+            rnd.parts.append(grad)
+        else:
+            add_into(rnd.acc, grad, h.dtype)
 
     def _apply(self, slot, rnd):
         store = slot.store
+        if rnd.parts is not None:
+            self._apply_rows(slot, rnd)
+            return
         if self.updater is None:
             store.serve_sum(rnd.acc)          # stored = merged (update on workers)
             return
@@ -864,6 +893,106 @@ class ServerState:
         # when the weights change.  Async mode applies pushes any time: replies get a copy.
         store.serve_weights(copy=not self.sync or self.wsp is not None)
 
+    def _apply_rows(self, slot, rnd):
+        """A row-sparse round, as MXNet's lazy update: the pushed elements' sum, the optimizer
+        run on those elements only (weights and state gathered, updated, put back); the
+        others do not change.  The key's update count advances as for any round."""
+        pos, grad = sparse.merge(rnd.parts)
+        updater, store = self.updater, slot.store
+        opt = updater.optimizer
+        if slot.index != slot.key and slot.index not in self._aliased:
+            self._alias(slot)
+        if pos.size == 0:
+            opt._update_count(slot.index)
+        else:
+            if rnd.scale != 1.0:
+                grad = grad * grad.dtype.type(rnd.scale)
+            if slot.index not in updater.states:
+                updater.states[slot.index] = opt.create_state_multi_precision(
+                    slot.index, store.weight_nd)
+                updater.states_synced[slot.index] = True
+            state = updater.states[slot.index]
+            arrays = sparse.state_arrays(state)
+            for a in arrays:
+                a.wait_to_read()
+            views = [numpy_view(a) for a in arrays]
+            w_nd = mx.nd.array(store.weight[pos], dtype=store.weight.dtype)
+            g_nd = mx.nd.array(grad, dtype=store.weight.dtype)
+            s_nd = sparse.like_state(state, [mx.nd.array(v[pos], dtype=v.dtype)
+                                             for v in views])
+            opt.update_multi_precision(slot.index, w_nd, g_nd, s_nd)
+            store.weight[pos] = w_nd.asnumpy()
+            for v, a in zip(views, sparse.state_arrays(s_nd)):
+                v[pos] = a.asnumpy()
+        store.serve_weights(copy=not self.sync or self.wsp is not None)
+
+    def _on_push_rows(self, client, h, payload):
+        """A row-sparse push (docs/SPARSE.md): the rows' elements inside this slice."""
+        slot = self._slot_for(h)
+        if h.dtype != slot.dtype_code:
+            raise RequestError("key %d: pushed dtype %s differs from the initialised dtype %s"
+                               % (h.key, wire.dtype_of(h.dtype), wire.dtype_of(slot.dtype_code)))
+        if self.updater is None:
+            raise RequestError("key %d: row-sparse pushes need the optimizer on the servers "
+                               "(update_on_kvstore=True, as MXNet requires for sparse "
+                               "gradients)" % h.key)
+        name = type(self.updater.optimizer).__name__.lower()
+        if name not in sparse.LAZY_OPTIMIZERS:
+            raise RequestError("key %d: row-sparse pushes with optimizer %s are not supported "
+                               "(supported: %s)" % (h.key, name,
+                                                    ", ".join(sparse.LAZY_OPTIMIZERS)))
+        pos, values = self._read_rows(h, payload, slot, with_values=True)
+        grad = (pos, np.array(values, dtype=wire.dtype_of(slot.dtype_code)))
+        if not self.sync:
+            rnd = _Round(None, None, [grad])
+            self._apply(slot, rnd)
+            slot.applied += 1
+        elif self.wsp is not None:
+            self._account_wsp(slot, h, grad)
+        else:
+            self._account(slot, h, grad)
+        self._reply(client, h, MsgType.ACK, length=0)
+        self._answer_waiting(slot)
+
+    def _on_pull_rows(self, client, h, payload):
+        """A pull of some rows: answered, like a pull, once its round is complete."""
+        slot = self._slot_for(h)
+        pos, _ = self._read_rows(h, payload, slot, with_values=False)
+        if not self.sync or self._pull_ready(slot, h):
+            self._send_value(client, h, slot, pos)
+        else:
+            slot.waiting.append((client, h, pos))
+
+    def _read_rows(self, h, payload, slot, with_values):
+        """The typed payload of PUSH_ROWS / PULL_ROWS: the rows' element positions in the
+        slice (and the values); a bad one raises RequestError naming the key."""
+        what = "key %d: %s" % (h.key, MsgType(h.type).name)
+        try:
+            body = typed.unpack(payload)
+            _fields(body, what, ("cols", "ids", "values") if with_values else ("cols", "ids"))
+            cols, ids = body["cols"], body["ids"]
+            if not isinstance(cols, int) or cols <= 0:
+                raise ValueError("cols must be a positive integer, got %r" % (cols,))
+            if not isinstance(ids, np.ndarray) or ids.dtype != np.int64:
+                raise ValueError("ids must be an int64 array")
+            sparse.check_ids(ids, -(-(slot.offset + slot.length) // cols), what)
+            pos = sparse.positions(ids, cols, slot.offset, slot.length)
+            values = None
+            if with_values:
+                values = body["values"]
+                if not isinstance(values, np.ndarray) or values.ndim != 1 or \
+                        values.dtype != wire.dtype_of(slot.dtype_code):
+                    raise ValueError("values must be a flat %s array"
+                                     % wire.dtype_of(slot.dtype_code))
+                if values.size != pos.size:
+                    raise ValueError("%d values for the %d elements of %d rows in the slice"
+                                     % (values.size, pos.size, ids.size))
+        except (ValueError, wire.WireError) as e:
+            msg = str(e)
+            raise RequestError(msg if msg.startswith(what) else "%s: %s" % (what, msg)) \
+                from None
+        return pos, values
+
     def _pull_ready(self, slot, h):
         """Whether a sync pull can be answered now: its round is complete (WSP: the round the
         worker's push of that label went into)."""
@@ -877,7 +1006,7 @@ class ServerState:
         if not self.sync or self._pull_ready(slot, h):
             self._send_value(client, h, slot)
         else:
-            slot.waiting.append((client, h))
+            slot.waiting.append((client, h, None))
             if self._trace is not None:
                 self._data_row("pull_parked", slot, h.iteration, h.sender, 0, h.request_id)
 
@@ -886,12 +1015,12 @@ class ServerState:
             return
         still = []
         answered = False
-        for client, h in slot.waiting:
+        for client, h, pos in slot.waiting:
             if self._pull_ready(slot, h):
-                self._send_value(client, h, slot)
+                self._send_value(client, h, slot, pos)
                 answered = True
             else:
-                still.append((client, h))
+                still.append((client, h, pos))
         slot.waiting = still
         if answered and self.wsp is not None:
             # a worker's newer value can lift the staleness bound of the next round
@@ -1343,6 +1472,8 @@ class ServerState:
 
     _HANDLERS = {
         MsgType.LEAVE: _on_leave,
+        MsgType.PUSH_ROWS: _on_push_rows,
+        MsgType.PULL_ROWS: _on_pull_rows,
         MsgType.MIGRATE: _on_migrate,
         MsgType.PROBE: _on_probe,
         MsgType.INIT: _on_init,

@@ -74,6 +74,10 @@ class MsgType(enum.IntEnum):
                         # (MXPS_PUSH=ltp); answered with DATA: JSON {port, key, budget}
     LEAVE = 30          # worker -> server: this worker pushes no more (MXPS_MODE=wsp: rounds
                         # stop counting on it); answered with ACK
+    PUSH_ROWS = 31      # worker -> server: a row-sparse gradient's rows inside a slice, typed
+                        # payload {cols, ids, values} (docs/SPARSE.md); answered with ACK
+    PULL_ROWS = 32      # worker -> server: rows of a slice after `iteration` rounds, typed
+                        # payload {cols, ids}; answered with DATA (the rows' elements in it)
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)
