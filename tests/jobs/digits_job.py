@@ -20,6 +20,10 @@ Environment:
                    takes it to 0 at the last step, so the final accuracy is that of a model that
                    has settled, not a snapshot of a noisy trajectory.
   DIGITS_MOMENTUM  SGD momentum (default 0.9); weight decay 1e-4.
+  DIGITS_SCHEDULE  cosine (default, above) or constant (the base rate throughout: a schedule
+                   counts the servers' updates, and dist_async makes W times more of them).
+  DIGITS_SLOW      "rank:seconds": that worker sleeps that long in every step, before its
+                   push (a straggler; WSP's study, mxps_tools.study_wsp).
   DIGITS_SEED      the seed of the initial weights and of every epoch's shuffling of each
                    worker's shard (default 1); the transport's own randomness (MXPS_LTP_SEED)
                    is set by the caller.
@@ -72,7 +76,17 @@ def settings():
          "epochs": _setting("DIGITS_EPOCHS", int, 20), "batch": _setting("DIGITS_BATCH", int, 16),
          "lr": _setting("DIGITS_LR", float, 0.03),
          "momentum": _setting("DIGITS_MOMENTUM", float, 0.9),
-         "seed": _setting("DIGITS_SEED", int, 1), "kvstore": KVSTORE}
+         "seed": _setting("DIGITS_SEED", int, 1), "kvstore": KVSTORE,
+         "schedule": os.environ.get("DIGITS_SCHEDULE", "cosine") or "cosine",
+         "slow": os.environ.get("DIGITS_SLOW", "")}
+    if s["schedule"] not in ("cosine", "constant"):
+        raise SystemExit("DIGITS_SCHEDULE must be cosine or constant, got %r" % s["schedule"])
+    if s["slow"]:
+        try:
+            rank, seconds = s["slow"].split(":")
+            s["slow"] = (int(rank), float(seconds))
+        except ValueError:
+            raise SystemExit("DIGITS_SLOW must be rank:seconds, got %r" % s["slow"]) from None
     if not s["out"]:
         raise SystemExit("DIGITS_OUT must name the output directory")
     if s["model"] not in MODELS:
@@ -146,12 +160,15 @@ def train(s):
     if steps < 1:
         raise SystemExit("%d training samples over %d workers do not fill one batch of %d"
                          % (len(ytr), workers, s["batch"]))
-    schedule = mx.lr_scheduler.CosineScheduler(max_update=steps * s["epochs"],
-                                               base_lr=s["lr"], final_lr=0.0)
-    trainer = gluon.Trainer(params, "sgd", {"learning_rate": s["lr"], "momentum": s["momentum"],
-                                            "wd": 1e-4, "lr_scheduler": schedule}, kvstore=kv)
+    opt = {"learning_rate": s["lr"], "momentum": s["momentum"], "wd": 1e-4}
+    if s["schedule"] == "cosine":
+        opt["lr_scheduler"] = mx.lr_scheduler.CosineScheduler(
+            max_update=steps * s["epochs"], base_lr=s["lr"], final_lr=0.0)
+    trainer = gluon.Trainer(params, "sgd", opt, kvstore=kv)
+    slow = s["slow"][1] if s["slow"] and s["slow"][0] == rank else 0.0
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    curve, losses = [], []
+    curve, losses, ends = [], [], []
+    start_wall = time.time()
     t0 = time.perf_counter()
     for epoch in range(s["epochs"]):
         batches = epoch_batches(len(ytr), rank, workers, steps, s["batch"], s["seed"], epoch)
@@ -161,10 +178,13 @@ def train(s):
             with autograd.record():
                 loss = loss_fn(net(data), mx.nd.array(ytr[idx]))
             loss.backward()
+            if slow:
+                time.sleep(slow)
             trainer.step(s["batch"])
             total += float(loss.mean().asscalar())
         losses.append(total / steps)
         curve.append(accuracy(net, xte, yte, shape))
+        ends.append(time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
     weights = {name: p.data().asnumpy() for name, p in params.items()}
     return {
@@ -176,7 +196,7 @@ def train(s):
                    for n, w in weights.items()},
         "test_accuracy": curve, "train_loss": losses, "final_accuracy": curve[-1],
         "weights_sha256": digest(weights),
-        "train_seconds": seconds,
+        "train_seconds": seconds, "epoch_end_seconds": ends, "start_wall": start_wall,
         "mxps_file": getattr(sys.modules.get("mxps"), "__file__", None),
     }
 
