@@ -216,3 +216,14 @@ def test_a_sparse_model_trained_by_two_workers_equals_the_one_process_reference(
                                      what="rank %d vs the one-process reference" % r)
     losses = cluster.load_meta(str(job_dir), 0)["losses"]
     assert losses[-1] < losses[0]
+
+
+def test_rows_of_another_width_than_the_key_was_initialised_with_are_refused():
+    s = ServerState(0, 2, True)
+    s.on_request(b"w0", Header(MsgType.SET_OPTIMIZER, sender=0),
+                 pickle.dumps(mx.optimizer.SGD(learning_rate=1.0)))
+    s.on_request(b"w0", Header(MsgType.INIT, key=KEY, sender=0, length=ROWS * COLS, dtype=F32,
+                               iteration=COLS + 1), np.zeros(ROWS * COLS, np.float32))
+    out = push_rows(s, 0, 1, [1], np.ones((1, COLS)))
+    assert out[0].header.type == MsgType.ERROR
+    assert b"rows of 3 elements, but the key was initialised with rows of 4" in out[0].payload

@@ -330,7 +330,7 @@ class MXPS(KVStoreBase):
                 for s in k.slices:
                     self._client.call(s.server, Header(
                         MsgType.INIT, key=k.id, plan_version=self._plan.version,
-                        offset=s.offset, length=s.length, dtype=k.code),
+                        offset=s.offset, length=s.length, dtype=k.code, iteration=k.cols),
                         flat[s.offset:s.stop], what="init of key %r" % (name,))
         self._client.barrier()
 

@@ -286,7 +286,7 @@ class _Slot:
     """This server's slice of one key: where it is, its rounds, and its numbers (``store``)."""
 
     __slots__ = ("key", "offset", "length", "dtype_code", "store", "applied", "rounds",
-                 "waiting", "index", "spans", "wsp")
+                 "waiting", "index", "spans", "wsp", "cols")
 
     def __init__(self, key, offset, length, dtype_code, store):
         self.key = key
@@ -301,6 +301,7 @@ class _Slot:
                                         # a later round (positions: a PULL_ROWS's elements)
         self.spans = ltp_close.Deadline()           # LTP: recent rounds' spans, backoff
         self.wsp = None                 # MXPS_MODE=wsp: the slice's wsp.SliceWsp
+        self.cols = 0                   # the key's row width (INIT), 0: unknown
 
 
 class _Incoming:
@@ -728,6 +729,7 @@ class ServerState:
             _floating(h.key, arr.dtype)
         slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype,
                                                      MemorySlice(arr.copy()))
+        slot.cols = max(0, int(h.iteration))
         if self.updater is not None and slot.index != slot.key:
             self._alias(slot, count=True)     # states loaded before the keys were initialised
         self._reply(client, h, MsgType.ACK, length=0)
@@ -973,6 +975,9 @@ class ServerState:
             cols, ids = body["cols"], body["ids"]
             if not isinstance(cols, int) or cols <= 0:
                 raise ValueError("cols must be a positive integer, got %r" % (cols,))
+            if slot.cols and cols != slot.cols:
+                raise ValueError("rows of %d elements, but the key was initialised with rows "
+                                 "of %d" % (cols, slot.cols))
             if not isinstance(ids, np.ndarray) or ids.dtype != np.int64:
                 raise ValueError("ids must be an int64 array")
             sparse.check_ids(ids, -(-(slot.offset + slot.length) // cols), what)

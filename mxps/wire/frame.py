@@ -55,7 +55,8 @@ class MsgType(enum.IntEnum):
     SHUTDOWN = 6        # scheduler -> node: exit cleanly
     ABORT = 7           # scheduler -> node, or node -> scheduler: exit with the error payload
     # data plane (worker <-> server)
-    INIT = 10           # rank 0 -> server: initial value of a slice
+    INIT = 10           # rank 0 -> server: initial value of a slice; `iteration` carries the
+                        # key's row width (elements per index of its first axis; 0: unknown)
     PUSH = 11           # worker -> server: gradient slice (ack after it is accounted)
     PULL = 12           # worker -> server: value of a slice after `iteration` rounds
     PUSHPULL = 13       # PUSH, then reply with the value after that round (one round trip)
