@@ -61,6 +61,11 @@ class Config:
     # more than wsp_staleness rounds behind (docs/WSP.md)
     wsp_k: int = 0
     wsp_staleness: int = 2
+    # MXPS_STORE=disk: every server slice in a row store on disk (docs/STORE.md)
+    store: str = "memory"
+    store_dir: str = ""
+    store_cache_mb: float = 256.0
+    store_resume: bool = False
     # MXPS_PUSH=ltp: the loss-tolerant push over UDP (docs/LTP.md)
     push: str = "tcp"
     ltp_fill: str = "rescale"
@@ -133,6 +138,23 @@ def _bool(env, name, default=False):
     if v.lower() in ("0", "false", "no", "off"):
         return False
     raise ConfigError("%s=%r: use 1 or 0" % (name, v))
+
+
+def _store(env):
+    """MXPS_STORE (memory or disk), MXPS_STORE_DIR, MXPS_STORE_CACHE_MB, MXPS_STORE_RESUME."""
+    kind = (_get(env, "MXPS_STORE", "memory")).lower()
+    if kind not in ("memory", "disk"):
+        raise ConfigError("MXPS_STORE=%r: use memory or disk" % kind)
+    directory = _get(env, "MXPS_STORE_DIR", "")
+    resume = _bool(env, "MXPS_STORE_RESUME", False)
+    if kind == "disk" and not directory:
+        raise ConfigError("MXPS_STORE=disk needs MXPS_STORE_DIR: the directory the servers' "
+                          "tables go to (one subdirectory per server)")
+    if resume and kind != "disk":
+        raise ConfigError("MXPS_STORE_RESUME=1 resumes a disk store: set MXPS_STORE=disk and "
+                          "MXPS_STORE_DIR")
+    return {"store": kind, "store_dir": directory, "store_resume": resume,
+            "store_cache_mb": _float(env, "MXPS_STORE_CACHE_MB", 256.0)}
 
 
 def _wsp(env):
@@ -324,6 +346,7 @@ def from_env(env=None, mode=None):
         job_info=_get(env, "MXPS_JOB_INFO", ""),
         hwm=_int(env, "MXPS_HWM", 1000, minimum=16),
         **_wsp(env),
+        **_store(env),
         **_ltp(env),
         secret=_secret(env),
         **_fault(env),
@@ -334,6 +357,13 @@ def from_env(env=None, mode=None):
         raise ConfigError("MXPS_PUSH=ltp and MXPS_REPLAN_OVERLAP=1 do not go together: LTP "
                           "packets of a plan whose state still moves would be dropped; use the "
                           "quiescent re-plan (MXPS_REPLAN_OVERLAP=0)")
+    if cfg.store == "disk" and cfg.push == "ltp":
+        raise ConfigError("MXPS_STORE=disk and MXPS_PUSH=ltp do not go together yet: LTP keeps "
+                          "the weights of elements nobody delivered, which needs them in RAM")
+    if cfg.store == "disk" and cfg.replanning:
+        raise ConfigError("MXPS_STORE=disk and live re-planning (MXPS_PLAN=adaptive) do not go "
+                          "together yet: moving a slice would move its table; set "
+                          "MXPS_REPLAN_INTERVAL=0 or another MXPS_PLAN")
     if cfg.mode == "wsp" and cfg.push == "ltp":
         raise ConfigError("MXPS_MODE=wsp and MXPS_PUSH=ltp do not go together yet: an LTP round "
                           "waits for every worker's packets; use MXPS_PUSH=tcp with wsp")

@@ -19,6 +19,7 @@ reply to a peer that does not read (its queue at MXPS_HWM) is dropped and logged
 import dataclasses
 import json
 import logging
+import os
 import re
 import time
 
@@ -29,7 +30,7 @@ from ..wire import frame as wire, tcp as transport
 from ..wire.frame import MsgType
 from . import link as control
 from .link import SchedulerLink, poll_forever
-from .server_state import LtpSettings, Out, ServerState, WspSettings
+from .server_state import LtpSettings, Out, ServerState, StoreSettings, WspSettings
 
 log = logging.getLogger("mxps.server")
 
@@ -107,9 +108,15 @@ class Server:
         wsp = None
         if self.cfg.mode == "wsp":      # docs/WSP.md
             wsp = WspSettings(self.cfg.wsp_k, self.cfg.wsp_staleness, time.monotonic)
+        store = None
+        if self.cfg.store == "disk":     # docs/STORE.md: one directory per server
+            directory = os.path.join(self.cfg.store_dir, "server%d" % self.rank)
+            os.makedirs(directory, exist_ok=True)
+            store = StoreSettings(directory, int(self.cfg.store_cache_mb * (1 << 20)),
+                                  self.cfg.store_resume)
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
                                  num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp,
-                                 wsp=wsp)
+                                 wsp=wsp, store=store)
         self.peer_addrs = welcome["servers"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
         self.drops = transport.Tally(log)
@@ -254,7 +261,25 @@ class Server:
         self.link.close()
         self._write_trace()
         self._report_ltp()
+        self._close_store()
         return 0
+
+    def _close_store(self):
+        """At a clean shutdown: the disk store flushed (a later job may resume from it) and
+        its counters reported (log, and with MXPS_METRICS ``<metrics>.server<rank>.store.json``)."""
+        if self.cfg.store != "disk":
+            return
+        self.state.flush_store()
+        report = {"server": self.rank, "stats": self.state.store_stats(),
+                  "cache_bytes": int(self.cfg.store_cache_mb * (1 << 20))}
+        log.info("server %d: store %s", self.rank, json.dumps(report))
+        if self.cfg.metrics:
+            path = "%s.server%d.store.json" % (self.cfg.metrics.replace("{rank}", "x"), self.rank)
+            try:
+                with open(path, "w") as f:
+                    json.dump(report, f)
+            except OSError as e:
+                log.warning("server %d: cannot write %s: %s", self.rank, path, e)
 
     def _report_ltp(self):
         """At shutdown: how the LTP rounds went (docs/LTP.md), in the log and, with

@@ -48,6 +48,8 @@ from ..adapter.ndview import cut_state, numpy_view
 from ..kernels.accum import add_into, copy_into
 from ..ltp import close as ltp_close, packet as ltp_packet, rounds as ltp_rounds
 from ..placement import plan
+from ..store.disk import DiskSlice, geometry as disk_geometry, state_template
+from ..store.rows import RowLayout
 from ..store.memory import MemorySlice
 from ..wire import frame as wire, typed
 from ..wire.auth import Tally
@@ -263,6 +265,28 @@ class WspSettings:
         self.clock = clock
 
 
+class StoreSettings:
+    """MXPS_STORE=disk (docs/STORE.md): where this server's tables go (``directory``), the
+    RAM its caches may use (``cache_bytes``, shared out as keys arrive: a table that fits in
+    an eighth of the budget is cached whole, a larger one gets what is left but an eighth),
+    and whether to reopen what a previous job flushed there (``resume``)."""
+
+    def __init__(self, directory, cache_bytes, resume=False):
+        self.directory = directory
+        self.cache_bytes = int(cache_bytes)
+        self.resume = resume
+        self.left = int(cache_bytes)
+
+    def budget(self, table_bytes):
+        """The cache of a new table of ``table_bytes`` (records and index)."""
+        if table_bytes <= self.cache_bytes // 8 and table_bytes <= self.left:
+            give = table_bytes
+        else:
+            give = max(0, self.left - self.cache_bytes // 8)
+        self.left -= give
+        return give
+
+
 class LtpSettings:
     """What a server's LTP rounds follow (docs/LTP.md): the filling, the acceptance ratio (0:
     adaptive), the deadline (-1: adaptive, 0: none), the grace after the last END, the packet
@@ -459,7 +483,7 @@ class ServerState:
     ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
 
     def __init__(self, rank, num_workers, sync, num_servers=None, trace=None, ltp=None,
-                 wsp=None):
+                 wsp=None, store=None):
         self.rank = rank
         self.num_workers = num_workers
         self.sync = sync
@@ -485,6 +509,11 @@ class ServerState:
         # MXPS_MODE=wsp (docs/WSP.md): WspSettings or None (BSP); the workers that left
         self.wsp = wsp
         self.gone = set()
+        # MXPS_STORE=disk: StoreSettings, or None (every slice in RAM); optimizer state
+        # templates by optimizer index (store.disk.state_template)
+        self.store = store
+        self._templates = {}
+        self._resumed = None       # MXPS_STORE_RESUME: the round the store was flushed at
         self.wsp_stats = collections.Counter()
         # messages that are nobody's request (stray peer replies, PLANs that do not parse):
         # dropped, counted and logged rate-limited
@@ -597,7 +626,7 @@ class ServerState:
             self._data_row("pull_answered", slot, header.iteration, header.sender,
                            slot.store.snapshot.nbytes, header.request_id)
         if pos is not None:        # a PULL_ROWS: those elements, in the order of its rows
-            self._reply(client, header, MsgType.DATA, slot.store.snapshot[pos],
+            self._reply(client, header, MsgType.DATA, slot.store.read(pos),
                         dtype=slot.dtype_code, offset=slot.offset, length=int(pos.size))
             return
         self._reply(client, header, MsgType.DATA, slot.store.snapshot, dtype=slot.dtype_code,
@@ -727,12 +756,74 @@ class ServerState:
         arr = wire.payload_array(h, payload)
         if self.updater is not None:
             _floating(h.key, arr.dtype)
-        slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype,
-                                                     MemorySlice(arr.copy()))
-        slot.cols = max(0, int(h.iteration))
+        cols = max(0, int(h.iteration))
+        store = self._disk_slice(h, arr, cols) if self.store is not None else \
+            MemorySlice(arr.copy())
+        slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype, store)
+        slot.cols = cols
         if self.updater is not None and slot.index != slot.key:
             self._alias(slot, count=True)     # states loaded before the keys were initialised
         self._reply(client, h, MsgType.ACK, length=0)
+
+    def _disk_slice(self, h, arr, cols):
+        """A new slice in the row store (MXPS_STORE=disk); with MXPS_STORE_RESUME its numbers
+        come from the store, which must hold exactly this slice (else the INIT is refused)."""
+        n_states = 0
+        if self.updater is not None:
+            index = optimizer_index(h.key, h.offset)
+            try:
+                n_states = self._template(index, arr.dtype)[1]
+            except ValueError as e:
+                raise RequestError("key %d: %s" % (h.key, e)) from None
+        name = "key%d_at%d" % (h.key, h.offset)
+        st = self.store
+        width, _, _, _, n_rows = disk_geometry(h.offset, h.length, cols)
+        layout = RowLayout(n_rows, width, arr.dtype, n_states)
+        cache = max(st.budget(layout.cache_bytes(n_rows)), layout.cache_bytes(1))
+        try:
+            disk = DiskSlice(h.offset, h.length, cols, arr.dtype, n_states,
+                             None if st.resume else arr, st.directory, name, cache,
+                             resume=st.resume)
+        except (ValueError, OSError, RuntimeError) as e:
+            raise RequestError("key %d: the disk store at %s: %s"
+                               % (h.key, st.directory, e)) from None
+        if st.resume:
+            # every slice of a job's store was flushed at the same point (a clean shutdown);
+            # the optimizer made one update per round, so its count resumes from there
+            done = disk.rows.step
+            if self._resumed is None:
+                self._resumed = done
+            elif done != self._resumed:
+                disk.close()
+                raise RequestError("key %d: the disk store at %s holds this slice at round %s "
+                                   "but others at round %s: not one job's clean stop"
+                                   % (h.key, st.directory, done, self._resumed))
+            if self.updater is not None:
+                index = optimizer_index(h.key, h.offset)
+                self.updater.optimizer._index_update_count[index] = done
+                self.updater.optimizer.num_update = max(self.updater.optimizer.num_update, done)
+        return disk
+
+    def _template(self, index, dtype):
+        t = self._templates.get(index)
+        if t is None:
+            t = self._templates[index] = state_template(self.updater.optimizer, index, dtype)
+        return t
+
+    def flush_store(self):
+        """Everything the disk store holds to disk, durable, each slice clean at the rounds it
+        applied (a clean shutdown; docs/STORE.md)."""
+        for slot in self.slots.values():
+            if isinstance(slot.store, DiskSlice):
+                slot.store.flush(slot.applied)
+
+    def store_stats(self):
+        """The disk store's counters summed over this server's slices."""
+        total = collections.Counter()
+        for slot in self.slots.values():
+            if isinstance(slot.store, DiskSlice):
+                total.update(slot.store.stats)
+        return dict(total)
 
     def _on_push(self, client, h, payload):
         slot = self._slot_for(h)
@@ -874,6 +965,15 @@ class ServerState:
         if rnd.parts is not None:
             self._apply_rows(slot, rnd)
             return
+        if isinstance(store, DiskSlice):
+            if self.updater is None:
+                store.apply_sum(rnd.acc)
+                return
+            if slot.index != slot.key and slot.index not in self._aliased:
+                self._alias(slot)
+            store.apply_dense(self.updater.optimizer, slot.index, rnd.acc,
+                              self._template(slot.index, rnd.acc.dtype)[0])
+            return
         if self.updater is None:
             store.serve_sum(rnd.acc)          # stored = merged (update on workers)
             return
@@ -906,6 +1006,12 @@ class ServerState:
             self._alias(slot)
         if pos.size == 0:
             opt._update_count(slot.index)
+        elif isinstance(store, DiskSlice):
+            if rnd.scale != 1.0:
+                grad = grad * grad.dtype.type(rnd.scale)
+            store.apply_rows(opt, slot.index, pos, grad, self._template(slot.index,
+                                                                       grad.dtype)[0])
+            return
         else:
             if rnd.scale != 1.0:
                 grad = grad * grad.dtype.type(rnd.scale)
@@ -1194,14 +1300,24 @@ class ServerState:
         except (AttributeError, TypeError) as e:
             raise RequestError("SET_OPTIMIZER from worker 0: the %s is not usable (%s); nothing "
                                "installed" % (type(optimizer).__name__, e)) from None
+        if self.store is not None and any(isinstance(x.store, DiskSlice) for x in
+                                          self.slots.values()):
+            raise RequestError("SET_OPTIMIZER after keys were initialised: with MXPS_STORE=disk "
+                               "a key's optimizer state lives beside its rows, so the optimizer "
+                               "must be set first (Gluon's Trainer does)")
         self.optimizer = optimizer
         self.updater = updater
         self._aliased = set()
+        self._templates = {}
         self._reply(client, h, MsgType.ACK, length=0)
 
     def _on_get_states(self, client, h, payload):
         """This server's optimizer states, update counts (by key) and update number, as data:
         the worker writes them into MXNet's states file with its own optimizer object."""
+        if self.store is not None:
+            raise RequestError("server %d keeps optimizer states in its disk store "
+                               "(MXPS_STORE=disk): the store is the checkpoint (docs/STORE.md)"
+                               % self.rank)
         if self.updater is None:
             raise RequestError("no optimizer on server %d: optimizer states live on the "
                                "servers only with update_on_kvstore=True" % self.rank)
@@ -1221,6 +1337,10 @@ class ServerState:
         if h.sender != 0:
             raise RequestError("SET_STATES from worker %d refused unread: only worker 0 loads "
                                "optimizer states" % h.sender)
+        if self.store is not None:
+            raise RequestError("server %d keeps optimizer states in its disk store "
+                               "(MXPS_STORE=disk): resume from the store (MXPS_STORE_RESUME=1) "
+                               "instead of loading a states file" % self.rank)
         if self.updater is None:
             raise RequestError("no optimizer on server %d to load states into" % self.rank)
         blob = _fields(typed.unpack(payload), "SET_STATES", ("states", "counts", "num_update"))

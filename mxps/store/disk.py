@@ -1,0 +1,158 @@
+"""One slice of one key in a row store (``MXPS_STORE=disk``; docs/STORE.md, issue #12).
+
+A server slice covers elements [offset, offset + length) of a key whose rows (indices of its
+first axis) have ``cols`` elements.  On disk it is a table of whole rows: the rows the slice
+touches, from the one holding its first element (``base``, a row boundary of the key) to the
+one holding its last, each row a record with its optimizer state (``mxps.store.rows``).  A
+row the slice shares with its neighbour is stored by both, each using its own elements only.
+A key without rows (1-D) gets rows of ``PAGE`` elements: its I/O granularity.
+
+The slice answers what the server asks of it: apply a dense round (every row gathered, the
+optimizer run on the slice's elements, the rows put back), apply a row-sparse round (the rows
+holding the pushed elements only: MXNet's lazy update), serve a pull (all of the slice, or
+some elements), and take an update-on-workers sum as its value.  Each runs the optimizer with
+``step`` below on flat arrays, so the disk and memory stores give the same numbers.
+"""
+import mxnet as mx
+import numpy as np
+
+from ..roles import sparse
+from .rows import DiskRows, MemoryRows, RowLayout
+
+#: rows of a 1-D key's table (elements): its I/O granularity
+PAGE = 1024
+
+
+def state_template(optimizer, index, dtype):
+    """The optimizer's state for one element: its structure, and how many arrays it has.
+    Refuses a state that does not start at zero (the row store creates zeros) or is nested."""
+    template = optimizer.create_state_multi_precision(index, mx.nd.zeros((1,), dtype=dtype))
+    arrays = sparse.state_arrays(template)
+    for a in arrays:
+        if a.asnumpy().any():
+            raise ValueError("the %s's state does not start at zero; the disk store cannot "
+                             "create it row by row" % type(optimizer).__name__)
+    return template, len(arrays)
+
+
+def step(optimizer, index, w, g, states, template):
+    """One optimizer update of flat numpy ``w`` (weights) with gradient ``g`` and ``states``
+    (flat numpy arrays in the order of ``template``'s arrays); returns the new (w, states)."""
+    dtype = w.dtype
+    w_nd = mx.nd.array(w, dtype=dtype)
+    g_nd = mx.nd.array(g, dtype=dtype)
+    s_nd = sparse.like_state(template, [mx.nd.array(s, dtype=s.dtype) for s in states])
+    optimizer.update_multi_precision(index, w_nd, g_nd, s_nd)
+    return w_nd.asnumpy(), [a.asnumpy() for a in sparse.state_arrays(s_nd)]
+
+
+def geometry(offset, length, cols):
+    """(row width, first table element, the slice's [lo, hi) inside the table, rows) of a
+    slice [offset, offset + length) of a key with rows of ``cols`` elements (0 or 1: none)."""
+    width = int(cols) if cols and cols > 1 else PAGE
+    base = (offset // width) * width if cols and cols > 1 else offset
+    lo = offset - base
+    hi = lo + length
+    return width, base, lo, hi, max(1, -(-hi // width))
+
+
+#: rows written per batch when a new table takes its initial value
+INIT_BATCH_BYTES = 8 << 20
+
+
+class DiskSlice:
+    """A server slice kept in a row store (see the module doc)."""
+
+    def __init__(self, offset, length, cols, dtype, n_states, value, directory=None,
+                 name=None, cache_bytes=0, resume=False):
+        self.offset, self.length = int(offset), int(length)
+        self.cols, self.base, self.lo, self.hi, n_rows = geometry(self.offset, self.length,
+                                                                 cols)
+        self.layout = RowLayout(n_rows, self.cols, dtype, n_states)
+        self.dtype = np.dtype(dtype)
+        if directory is None:
+            self.rows = MemoryRows(self.layout)
+        else:
+            self.rows = DiskRows(self.layout, directory, name, cache_bytes, resume=resume,
+                                 overwrite=not resume)
+        self.all_rows = np.arange(n_rows, dtype=np.int64)
+        if value is not None:
+            self._take(np.asarray(value, self.dtype))
+
+    def _take(self, value):
+        """The initial value, written through the store in batches of rows (so a table larger
+        than the cache is not held twice), then flushed clean at round 0."""
+        per = max(1, INIT_BATCH_BYTES // (self.cols * self.dtype.itemsize))
+        n = self.layout.n_rows
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            block = np.zeros((b - a) * self.cols, self.dtype)
+            lo, hi = max(self.lo, a * self.cols), min(self.hi, b * self.cols)
+            if hi > lo:
+                block[lo - a * self.cols:hi - a * self.cols] = value[lo - self.lo:hi - self.lo]
+            zeros = [np.zeros((b - a, self.cols), self.dtype)] * self.layout.n_states
+            self.rows.scatter(self.all_rows[a:b], block.reshape(b - a, self.cols), zeros)
+        self.rows.flush(0)
+
+    # -- what the server asks -----------------------------------------------------------------
+    @property
+    def snapshot(self):
+        """The slice's served value (a fresh array): every row read."""
+        return self.rows.read(self.all_rows).reshape(-1)[self.lo:self.hi].copy()
+
+    def read(self, pos):
+        """The served values at slice positions ``pos`` (a PULL_ROWS)."""
+        rows, flat = self._locate(pos)
+        return self.rows.read(rows).reshape(-1)[flat]
+
+    def accumulator(self, like, for_optimizer):
+        return np.empty(self.length, self.dtype), None
+
+    def recycle(self, acc, acc_nd):
+        pass
+
+    def apply_sum(self, acc):
+        """Update on workers: the round's sum becomes the value."""
+        w, states = self.rows.gather(self.all_rows)
+        w.reshape(-1)[self.lo:self.hi] = acc
+        self.rows.scatter(self.all_rows, w, states)
+
+    def apply_dense(self, optimizer, index, grad, template):
+        w, states = self.rows.gather(self.all_rows)
+        sl = slice(self.lo, self.hi)
+        new_w, new_s = step(optimizer, index, w.reshape(-1)[sl], grad,
+                            [s.reshape(-1)[sl] for s in states], template)
+        w.reshape(-1)[sl] = new_w
+        for s, n in zip(states, new_s):
+            s.reshape(-1)[sl] = n
+        self.rows.scatter(self.all_rows, w, states)
+
+    def apply_rows(self, optimizer, index, pos, grad, template):
+        """A row-sparse round: ``grad`` at slice positions ``pos`` (sorted, distinct)."""
+        rows, flat = self._locate(pos)
+        w, states = self.rows.gather(rows)
+        new_w, new_s = step(optimizer, index, w.reshape(-1)[flat], grad,
+                            [s.reshape(-1)[flat] for s in states], template)
+        w.reshape(-1)[flat] = new_w
+        for s, n in zip(states, new_s):
+            s.reshape(-1)[flat] = n
+        self.rows.scatter(rows, w, states)
+
+    def _locate(self, pos):
+        """The table rows holding slice positions ``pos`` and the positions' places in those
+        rows' concatenation."""
+        t = np.asarray(pos, np.int64) + self.lo
+        row = t // self.cols
+        rows = np.unique(row)
+        flat = np.searchsorted(rows, row) * self.cols + t % self.cols
+        return rows, flat
+
+    def flush(self, step_no):
+        self.rows.flush(step_no)
+
+    def close(self):
+        self.rows.close()
+
+    @property
+    def stats(self):
+        return self.rows.stats
