@@ -33,6 +33,7 @@ from ..placement import plan as plan_mod, trace as trace_mod
 from ..placement.metrics import StepMetrics
 from ..placement.plan import Plan, ProportionalRule, chunked_rule, mxnet_default_rule
 from ..roles import sparse as sparse_rows
+from ..store.table_init import TableInit
 from ..roles.link import PeerLostError, fatal
 from ..roles.worker import Client
 from ..wire import frame as wire, typed
@@ -313,6 +314,11 @@ class MXPS(KVStoreBase):
         groups = _group(key, value)
         names = [n for n, _ in groups]
         for name, vals in groups:
+            if isinstance(vals[0], TableInit):
+                if len(vals) != 1:
+                    raise TypeError("mxps: init of key %r: one TableInit, not a list" % (name,))
+                self._check_table(name, vals[0], names)
+                continue
             self._check_init(name, vals, names)
         keys = []
         for name, vals in groups:
@@ -325,7 +331,14 @@ class MXPS(KVStoreBase):
         for k, v in keys:
             name = k.name
             self._keys[name] = k
-            if self.rank == 0:
+            if self.rank == 0 and isinstance(v, TableInit):
+                body = typed.pack(v.describe())      # the rule, not the values
+                for s in k.slices:
+                    self._client.call(s.server, Header(
+                        MsgType.INIT_TABLE, key=k.id, plan_version=self._plan.version,
+                        offset=s.offset, length=s.length, dtype=k.code, iteration=k.cols),
+                        body, what="init of key %r" % (name,))
+            elif self.rank == 0:
                 flat = v.asnumpy().reshape(-1)
                 for s in k.slices:
                     self._client.call(s.server, Header(
@@ -333,6 +346,14 @@ class MXPS(KVStoreBase):
                         offset=s.offset, length=s.length, dtype=k.code, iteration=k.cols),
                         flat[s.offset:s.stop], what="init of key %r" % (name,))
         self._client.barrier()
+
+    def _check_table(self, name, rule, names):
+        try:
+            wire.dtype_code(rule.dtype)
+        except wire.WireError as e:
+            raise TypeError("mxps: init of key %r: %s" % (name, e)) from None
+        if name in self._keys or names.count(name) > 1:
+            raise ValueError("mxps: init of key %r: the key is already initialised" % (name,))
 
     def _check_init(self, name, vals, names):
         for v in vals:

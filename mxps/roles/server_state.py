@@ -50,6 +50,7 @@ from ..ltp import close as ltp_close, packet as ltp_packet, rounds as ltp_rounds
 from ..placement import plan
 from ..store.disk import DiskSlice, geometry as disk_geometry, state_template
 from ..store.rows import RowLayout
+from ..store.table_init import TableInit
 from ..store.memory import MemorySlice
 from ..wire import frame as wire, typed
 from ..wire.auth import Tally
@@ -740,7 +741,7 @@ class ServerState:
                                                slot.offset, slot.offset + slot.length))
         return slot
 
-    def _on_init(self, client, h, payload):
+    def _on_init(self, client, h, payload, rule=None):
         if h.sender != 0:
             raise RequestError("INIT of key %d from worker %d refused: worker 0 initialises the "
                                "keys" % (h.key, h.sender))
@@ -753,19 +754,38 @@ class ServerState:
                     "initialised once, and a second init would reset its value and rounds; "
                     "push to change it, or init a new key"
                     % (h.key, self.rank, x.offset, x.offset + x.length))
-        arr = wire.payload_array(h, payload)
+        if rule is None:
+            arr = wire.payload_array(h, payload)
+        else:       # a dtype-only stand-in: the values come from the rule
+            arr = np.zeros(0, wire.dtype_of(h.dtype))
         if self.updater is not None:
             _floating(h.key, arr.dtype)
         cols = max(0, int(h.iteration))
-        store = self._disk_slice(h, arr, cols) if self.store is not None else \
-            MemorySlice(arr.copy())
+        if self.store is not None:
+            store = self._disk_slice(h, arr, cols, rule)
+        elif rule is not None:
+            store = MemorySlice(rule.span(h.offset, h.offset + h.length))
+        else:
+            store = MemorySlice(arr.copy())
         slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype, store)
         slot.cols = cols
         if self.updater is not None and slot.index != slot.key:
             self._alias(slot, count=True)     # states loaded before the keys were initialised
         self._reply(client, h, MsgType.ACK, length=0)
 
-    def _disk_slice(self, h, arr, cols):
+    def _on_init_table(self, client, h, payload):
+        """INIT_TABLE: a slice's initial value as a rule (``store.table_init``): in RAM the
+        slice is made now, on disk each row when first touched."""
+        what = "INIT_TABLE of key %d" % h.key
+        body = _fields(typed.unpack(payload), what, ("scale", "seed"))
+        dtype = wire.dtype_of(h.dtype)
+        try:
+            rule = TableInit((h.offset + h.length,), dtype, body["scale"], body["seed"])
+        except (TypeError, ValueError) as e:
+            raise RequestError("%s: %s" % (what, e)) from None
+        self._on_init(client, h, None, rule=rule)
+
+    def _disk_slice(self, h, arr, cols, rule=None):
         """A new slice in the row store (MXPS_STORE=disk); with MXPS_STORE_RESUME its numbers
         come from the store, which must hold exactly this slice (else the INIT is refused)."""
         n_states = 0
@@ -779,11 +799,13 @@ class ServerState:
         st = self.store
         width, _, _, _, n_rows = disk_geometry(h.offset, h.length, cols)
         layout = RowLayout(n_rows, width, arr.dtype, n_states)
+        if rule is not None:
+            arr = None
         cache = max(st.budget(layout.cache_bytes(n_rows)), layout.cache_bytes(1))
         try:
-            disk = DiskSlice(h.offset, h.length, cols, arr.dtype, n_states,
+            disk = DiskSlice(h.offset, h.length, cols, layout.dtype, n_states,
                              None if st.resume else arr, st.directory, name, cache,
-                             resume=st.resume)
+                             resume=st.resume, rule=None if st.resume else rule)
         except (ValueError, OSError, RuntimeError) as e:
             raise RequestError("key %d: the disk store at %s: %s"
                                % (h.key, st.directory, e)) from None
@@ -1597,6 +1619,7 @@ class ServerState:
 
     _HANDLERS = {
         MsgType.LEAVE: _on_leave,
+        MsgType.INIT_TABLE: _on_init_table,
         MsgType.PUSH_ROWS: _on_push_rows,
         MsgType.PULL_ROWS: _on_pull_rows,
         MsgType.MIGRATE: _on_migrate,

@@ -64,17 +64,25 @@ class DiskSlice:
     """A server slice kept in a row store (see the module doc)."""
 
     def __init__(self, offset, length, cols, dtype, n_states, value, directory=None,
-                 name=None, cache_bytes=0, resume=False):
+                 name=None, cache_bytes=0, resume=False, rule=None):
         self.offset, self.length = int(offset), int(length)
         self.cols, self.base, self.lo, self.hi, n_rows = geometry(self.offset, self.length,
                                                                  cols)
         self.layout = RowLayout(n_rows, self.cols, dtype, n_states)
         self.dtype = np.dtype(dtype)
+        init = None
+        if rule is not None:        # a TableInit: rows made from the rule when first touched
+            base, width = self.base, self.cols
+
+            def init(rows):
+                idx = (base + np.asarray(rows, np.int64)[:, None] * width
+                       + np.arange(width, dtype=np.int64)[None, :])
+                return rule.values(idx.reshape(-1)).reshape(len(rows), width)
         if directory is None:
-            self.rows = MemoryRows(self.layout)
+            self.rows = MemoryRows(self.layout, init)
         else:
             self.rows = DiskRows(self.layout, directory, name, cache_bytes, resume=resume,
-                                 overwrite=not resume)
+                                 overwrite=not resume, init=init)
         self.all_rows = np.arange(n_rows, dtype=np.int64)
         if value is not None:
             self._take(np.asarray(value, self.dtype))

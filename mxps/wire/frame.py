@@ -79,6 +79,8 @@ class MsgType(enum.IntEnum):
                         # payload {cols, ids, values} (docs/SPARSE.md); answered with ACK
     PULL_ROWS = 32      # worker -> server: rows of a slice after `iteration` rounds, typed
                         # payload {cols, ids}; answered with DATA (the rows' elements in it)
+    INIT_TABLE = 33     # rank 0 -> server: a slice's initial value as a rule, typed payload
+                        # {scale, seed} (mxps.store.table_init); `iteration`: the row width
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)
