@@ -1,0 +1,103 @@
+"""The DRPS benchmark's training job (mxps_tools.drps_bench): a click-through-style model with a
+wide embedding table that lives only on the servers.
+
+Run as every node of a job (mxps_tools.jobs); on scheduler and server nodes ``import mxps``
+takes the role over.  Each step a worker draws ``batch`` samples of ``fields`` ids each,
+Zipf-distributed over the table's rows, pulls those rows (``row_sparse_pull``), averages each
+sample's embeddings, runs a two-layer MLP to one logit against a synthetic label (the parity
+of the sample's first id), and pushes the rows' gradients (row-sparse) and the MLP's (dense).
+The table is initialised from a rule (``mxps.TableInit``): no worker ever holds it.
+
+Environment (all required but DRPS_OUT's defaults): DRPS_OUT (directory: rank<R>.json with the
+step times), DRPS_ROWS, DRPS_COLS, DRPS_STEPS, DRPS_WARMUP, DRPS_BATCH, DRPS_FIELDS,
+DRPS_ZIPF (exponent), DRPS_IDS (``scattered``: hot rows spread over the id space by a fixed
+permutation, or ``sorted``: id = popularity rank), DRPS_MOMENTUM, DRPS_SEED.
+"""
+import json
+import os
+import time
+
+import mxps
+import mxnet as mx
+import numpy as np
+from mxnet import autograd
+
+E = os.environ
+OUT = E["DRPS_OUT"]
+ROWS, COLS = int(E["DRPS_ROWS"]), int(E["DRPS_COLS"])
+STEPS, WARMUP = int(E.get("DRPS_STEPS", "40")), int(E.get("DRPS_WARMUP", "5"))
+BATCH, FIELDS = int(E.get("DRPS_BATCH", "512")), int(E.get("DRPS_FIELDS", "26"))
+ZIPF = float(E.get("DRPS_ZIPF", "1.1"))
+IDS = E.get("DRPS_IDS", "scattered")
+MOMENTUM = float(E.get("DRPS_MOMENTUM", "0"))
+SEED = int(E.get("DRPS_SEED", "1"))
+HIDDEN = 256
+
+
+def zipf_ranks(rng, n, a, size):
+    """Popularity ranks 0..n-1 with P(rank k) ~ (k + 1)^-a (bounded Zipf, inverse CDF of the
+    continuous approximation)."""
+    u = rng.random_sample(size)
+    lo, hi = 1.0, float(n + 1)
+    x = ((hi ** (1 - a) - lo ** (1 - a)) * u + lo ** (1 - a)) ** (1.0 / (1 - a))
+    return np.minimum(n - 1, np.floor(x).astype(np.int64) - 1)
+
+
+def ids_of(ranks):
+    if IDS == "sorted":
+        return ranks
+    return (ranks * 2654435761) % ROWS          # a fixed permutation (ROWS not a multiple)
+
+
+def main():
+    kv = mx.kv.create("mxps")
+    rank = kv.rank
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.05, momentum=MOMENTUM,
+                                      rescale_grad=1.0 / BATCH))
+    kv.init("emb", mxps.TableInit((ROWS, COLS), scale=0.05, seed=7))
+    rs = np.random.RandomState(11)
+    w1 = mx.nd.array(rs.randn(COLS, HIDDEN) * 0.1)
+    w2 = mx.nd.array(rs.randn(HIDDEN, 1) * 0.1)
+    kv.init("w1", w1)
+    kv.init("w2", w2)
+    kv.pull("w1", out=w1)
+    kv.pull("w2", out=w2)
+    rng = np.random.RandomState([SEED, rank])
+    rows_out = mx.nd.sparse.zeros("row_sparse", (ROWS, COLS))
+    times, losses, uniques = [], [], []
+    for step in range(WARMUP + STEPS):
+        t0 = time.perf_counter()
+        ids = ids_of(zipf_ranks(rng, ROWS, ZIPF, BATCH * FIELDS)).reshape(BATCH, FIELDS)
+        uniq, inv = np.unique(ids, return_inverse=True)
+        kv.row_sparse_pull("emb", out=rows_out, row_ids=mx.nd.array(uniq, dtype="int64"))
+        table = rows_out.data.copy()                    # (len(uniq), COLS), in uniq order
+        table.attach_grad()
+        w1.attach_grad()
+        w2.attach_grad()
+        label = mx.nd.array((ids[:, 0] % 2).astype(np.float32))
+        idx = mx.nd.array(inv.reshape(BATCH, FIELDS))
+        with autograd.record():
+            emb = mx.nd.take(table, idx).mean(axis=1)
+            logit = mx.nd.dot(mx.nd.relu(mx.nd.dot(emb, w1)), w2).reshape(-1)
+            loss = mx.nd.relu(logit) - logit * label + mx.nd.log(1 + mx.nd.exp(-mx.nd.abs(logit)))
+        loss.backward()
+        grad = mx.nd.sparse.row_sparse_array((table.grad, mx.nd.array(uniq, dtype="int64")),
+                                             shape=(ROWS, COLS))
+        kv.push("emb", grad)
+        kv.push("w1", w1.grad)
+        kv.push("w2", w2.grad)
+        kv.pull("w1", out=w1)
+        kv.pull("w2", out=w2)
+        w2.wait_to_read()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.mean().asscalar()))
+            uniques.append(int(uniq.size))
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "rank%d.json" % rank), "w") as f:
+        json.dump({"rank": rank, "step_seconds": times, "loss": losses,
+                   "unique_rows": uniques, "pid": os.getpid()}, f)
+
+
+if __name__ == "__main__":
+    main()
