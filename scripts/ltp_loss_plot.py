@@ -57,6 +57,7 @@ def main():
     for ax, what in zip(axes, ("mean step time, s (bars: min-max of reps)", "p99 step time, s")):
         ax.axhline(floor, color="k", ls=":", lw=1, label="floor %.3f s" % floor)
         ax.set_xscale("symlog", linthresh=0.1)
+        ax.set_xlim(-0.02, 1.3 * max(r["loss"] for r in rows))
         ax.set_xticks(sorted({r["loss"] for r in rows}))
         ax.set_xticklabels(["%g" % x for x in sorted({r["loss"] for r in rows})])
         ax.set_xlabel("random loss towards the server, %")

@@ -194,8 +194,7 @@ SPARSE_JOB = __import__("os").path.join(__import__("os").path.dirname(__file__),
                                         "sparse_job.py")
 
 
-@pytest.mark.parametrize("weight,optimizer", [("grad", "sgd"), ("weight", "sgd"),
-                                              ("weight", "adam")])
+@pytest.mark.parametrize("weight,optimizer", [("grad", "sgd"), ("weight", "adam")])
 def test_a_sparse_model_trained_by_two_workers_equals_the_one_process_reference(
         tmp_path, weight, optimizer):
     """2 workers x 2 servers (the embedding's rows cut across both servers, so rows straddle

@@ -152,7 +152,7 @@ def jobs(tmp_path_factory):
     return cluster.job_cache(tmp_path_factory)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["adam"])    # SGD: message by message above
 def test_a_2x2_job_with_the_disk_store_ends_with_the_memory_stores_weights(jobs, tmp_path,
                                                                            optimizer):
     import cluster
