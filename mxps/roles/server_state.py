@@ -1607,6 +1607,9 @@ class ServerState:
     def _on_leave(self, client, h, payload):
         """A worker that has finished: WSP rounds stop counting on it and stop waiting for it
         (``wsp.may_complete``); the rounds it held up complete now."""
+        if payload is not None and memoryview(payload).nbytes:
+            raise RequestError("LEAVE from worker %d carries a payload: it has none"
+                               % h.sender)
         if h.sender in self.gone:
             raise RequestError("worker %d left twice" % h.sender)
         self.gone.add(h.sender)
