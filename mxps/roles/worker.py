@@ -36,6 +36,12 @@ _KINDS = {t: tuple("%s_%s" % (name, stage) for stage in
                           (MsgType.PUSHPULL, "pushpull"))}
 
 
+#: requests whose `iteration` is a round (an INIT's carries the key's row width): the traffic
+#: of a round is theirs
+_ROUND_TYPES = frozenset((MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL, MsgType.PUSH_ROWS,
+                          MsgType.PULL_ROWS))
+
+
 def _nbytes(payload):
     return memoryview(payload).nbytes if payload is not None else 0
 
@@ -350,7 +356,7 @@ class Client:
         self.ltp.enqueue(server, h, payload, itemsize, (on_reply, held, server))
         if self._trace is not None:
             self._record(_SENT, server, h, _nbytes(payload))
-        if h.iteration > 0:
+        if h.iteration > 0 and h.type in _ROUND_TYPES:
             self._count(h.iteration, server, _nbytes(payload), time.monotonic())
         return True
 
@@ -362,7 +368,7 @@ class Client:
         if held:
             self._unacked[server] -= held
             self._unacked_count[server] -= 1
-        if h.iteration > 0:
+        if h.iteration > 0 and h.type in _ROUND_TYPES:
             self._count(h.iteration, server, 0, now)
         on_reply(h.reply(MsgType.ACK, dtype=wire.NO_DTYPE, length=0), None)
 
@@ -504,7 +510,7 @@ class Client:
             if entry[4]:
                 self._unacked[i] -= entry[4]
                 self._unacked_count[i] -= 1
-            if h.iteration > 0:
+            if h.iteration > 0 and entry[3].type in _ROUND_TYPES:
                 n = len(payload) if payload is not None else 0
                 self._count(h.iteration, i, n, received)
 
@@ -532,6 +538,6 @@ class Client:
             return False
         if self._trace is not None:
             self._record(_SENT, server, h, _nbytes(payload))
-        if h.iteration > 0:
+        if h.iteration > 0 and h.type in _ROUND_TYPES:
             self._count(h.iteration, server, _nbytes(payload), time.monotonic())
         return True
