@@ -25,6 +25,7 @@ def test_any_part_of_the_table_is_the_same_numbers_as_the_whole(n, data):
     a = data.draw(st.integers(0, n - 1))
     b = data.draw(st.integers(a + 1, n))
     np.testing.assert_array_equal(rule.span(a, b), whole[a:b])
+    np.testing.assert_array_equal(rule.span(a, b, block=7), whole[a:b])     # made in blocks
     idx = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=20)), np.int64)
     np.testing.assert_array_equal(rule.values(idx), whole[idx])
     assert (np.abs(whole) <= 0.25).all()

@@ -46,9 +46,15 @@ class TableInit:
         u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
         return (self.scale * (2.0 * u - 1.0)).astype(self.dtype)
 
-    def span(self, start, stop):
-        """Elements [start, stop) of the flat table."""
-        return self.values(np.arange(start, stop, dtype=np.int64))
+    def span(self, start, stop, block=1 << 22):
+        """Elements [start, stop) of the flat table, made ``block`` elements at a time (the
+        hash's temporaries are 8 bytes per element: a slice of a 4 GB table at once would
+        need several times its size)."""
+        out = np.empty(max(0, stop - start), self.dtype)
+        for a in range(start, stop, block):
+            b = min(stop, a + block)
+            out[a - start:b - start] = self.values(np.arange(a, b, dtype=np.int64))
+        return out
 
     def describe(self):
         return {"scale": self.scale, "seed": self.seed}
