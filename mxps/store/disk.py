@@ -83,7 +83,6 @@ class DiskSlice:
         else:
             self.rows = DiskRows(self.layout, directory, name, cache_bytes, resume=resume,
                                  overwrite=not resume, init=init)
-        self.all_rows = np.arange(n_rows, dtype=np.int64)
         if value is not None:
             self._take(np.asarray(value, self.dtype))
 
@@ -99,8 +98,14 @@ class DiskSlice:
             if hi > lo:
                 block[lo - a * self.cols:hi - a * self.cols] = value[lo - self.lo:hi - self.lo]
             zeros = [np.zeros((b - a, self.cols), self.dtype)] * self.layout.n_states
-            self.rows.scatter(self.all_rows[a:b], block.reshape(b - a, self.cols), zeros)
+            self.rows.scatter(np.arange(a, b, dtype=np.int64), block.reshape(b - a, self.cols), zeros)
         self.rows.flush(0)
+
+    @property
+    def all_rows(self):
+        """Every row id of the table (made when asked: 8 bytes per row of a table that is
+        usually only read row by row)."""
+        return np.arange(self.layout.n_rows, dtype=np.int64)
 
     # -- what the server asks -----------------------------------------------------------------
     @property
