@@ -98,7 +98,8 @@ class DiskSlice:
             if hi > lo:
                 block[lo - a * self.cols:hi - a * self.cols] = value[lo - self.lo:hi - self.lo]
             zeros = [np.zeros((b - a, self.cols), self.dtype)] * self.layout.n_states
-            self.rows.scatter(np.arange(a, b, dtype=np.int64), block.reshape(b - a, self.cols), zeros)
+            self.rows.scatter(np.arange(a, b, dtype=np.int64),
+                              block.reshape(b - a, self.cols), zeros)
         self.rows.flush(0)
 
     @property
