@@ -272,14 +272,7 @@ class Server:
         self.state.flush_store()
         report = {"server": self.rank, "stats": self.state.store_stats(),
                   "cache_bytes": int(self.cfg.store_cache_mb * (1 << 20))}
-        log.info("server %d: store %s", self.rank, json.dumps(report))
-        if self.cfg.metrics:
-            path = "%s.server%d.store.json" % (self.cfg.metrics.replace("{rank}", "x"), self.rank)
-            try:
-                with open(path, "w") as f:
-                    json.dump(report, f)
-            except OSError as e:
-                log.warning("server %d: cannot write %s: %s", self.rank, path, e)
+        self._report("store", report)
 
     def _report_ltp(self):
         """At shutdown: how the LTP rounds went (docs/LTP.md), in the log and, with
@@ -290,15 +283,21 @@ class Server:
                   "receiver": dict(self.ltp.counts), "drops": dict(self.ltp.drops.counts),
                   "loss_estimate": self.ltp.loss, "budget": self.ltp.budget,
                   "mtu": self.ltp.mtu}
-        log.info("server %d: LTP %s", self.rank, json.dumps(report))
+        self._report("ltp", report)
+        self.ltp.close()
+
+    def _report(self, what, report):
+        """A shutdown report: in the log (INFO) and, with MXPS_METRICS, in
+        ``<metrics>.server<rank>.<what>.json``."""
+        log.info("server %d: %s %s", self.rank, what, json.dumps(report))
         if self.cfg.metrics:
-            path = "%s.server%d.ltp.json" % (self.cfg.metrics.replace("{rank}", "x"), self.rank)
+            path = "%s.server%d.%s.json" % (self.cfg.metrics.replace("{rank}", "x"), self.rank,
+                                            what)
             try:
                 with open(path, "w") as f:
                     json.dump(report, f)
             except OSError as e:
                 log.warning("server %d: cannot write %s: %s", self.rank, path, e)
-        self.ltp.close()
 
     def _write_trace(self):
         if self.trace is not None:
