@@ -48,7 +48,8 @@ from ..adapter.ndview import cut_state, numpy_view
 from ..kernels.accum import add_into, copy_into
 from ..ltp import close as ltp_close, packet as ltp_packet, rounds as ltp_rounds
 from ..placement import plan
-from ..store.disk import DiskSlice, geometry as disk_geometry, state_template
+from ..store.disk import DiskSlice, geometry as disk_geometry, state_template, \
+    step as disk_step
 from ..store.rows import RowLayout
 from ..store.table_init import TableInit
 from ..store.memory import MemorySlice
@@ -1046,14 +1047,13 @@ class ServerState:
             for a in arrays:
                 a.wait_to_read()
             views = [numpy_view(a) for a in arrays]
-            w_nd = mx.nd.array(store.weight[pos], dtype=store.weight.dtype)
-            g_nd = mx.nd.array(grad, dtype=store.weight.dtype)
-            s_nd = sparse.like_state(state, [mx.nd.array(v[pos], dtype=v.dtype)
-                                             for v in views])
-            opt.update_multi_precision(slot.index, w_nd, g_nd, s_nd)
-            store.weight[pos] = w_nd.asnumpy()
-            for v, a in zip(views, sparse.state_arrays(s_nd)):
-                v[pos] = a.asnumpy()
+            # the same optimizer call as the disk store's (store.disk.step): both stores give
+            # the same numbers
+            new_w, new_s = disk_step(opt, slot.index, store.weight[pos], grad,
+                                     [v[pos] for v in views], state)
+            store.weight[pos] = new_w
+            for v, n in zip(views, new_s):
+                v[pos] = n
         store.serve_weights(copy=not self.sync or self.wsp is not None)
 
     def _on_push_rows(self, client, h, payload):
