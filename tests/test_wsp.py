@@ -74,15 +74,18 @@ def test_a_round_completes_only_with_k_contributors_and_no_one_too_stale(w, data
         assert not ok                        # s = 0 is BSP: every active worker is waited for
 
 
-def test_a_push_goes_after_the_last_complete_round_and_after_its_workers_previous_push():
+def test_a_push_goes_into_its_own_round_or_the_first_open_one_and_its_pull_waits_for_its_own():
     ws = wsp.SliceWsp(2)
     assert ws.place(0, 1, applied=0) == 1
     assert ws.place(0, 2, applied=0) == 2          # early: its own round
     assert ws.place(1, 1, applied=5) == 6          # late: folded into the next open round
-    assert ws.place(1, 2, applied=5) == 7
-    assert ws.pull_round(1, 1) == 6 and ws.pull_round(1, 3) is None and ws.pull_round(1, 0) == 0
-    with pytest.raises(ValueError, match="pushed round 2 after round 2"):
-        ws.place(1, 2, applied=5)
+    assert ws.place(1, 2, applied=5) == 6          # ... and so is the next: two gradients in 6
+    assert ws.place(1, 7, applied=5) == 7
+    # a pull waits for the round of its label, never for the later one a folded push joined
+    assert ws.pull_round(1, 1) == 1 and ws.pull_round(1, 7) == 7
+    assert ws.pull_round(1, 8) is None and ws.pull_round(1, 0) == 0
+    with pytest.raises(ValueError, match="pushed round 7 after round 7"):
+        ws.place(1, 7, applied=5)
 
 
 def test_the_scale_is_the_full_rounds_expected_sum():
@@ -339,3 +342,100 @@ def test_wsp_settings_are_read_and_bad_ones_refused_by_name():
         config.from_env(env(MXPS_MODE="wsp", MXPS_PUSH="ltp"))
     with pytest.raises(config.ConfigError, match="MXPS_MODE=wsp and live re-planning"):
         config.from_env(env(MXPS_MODE="wsp", MXPS_PLAN="adaptive"))
+# --------------------------------------------------------------------------- several keys
+
+class MultiJob:
+    """W simulated workers, several keys over one or two servers, as Gluon drives a kvstore:
+    a step pushes every key and pulls every key (in an order of the worker's own, delivered
+    one message at a time, interleaved with the other workers' messages), and the next step
+    starts only when every pull of this one was answered.  Records for every push the round of
+    the value it was computed on (per key)."""
+
+    def __init__(self, w, k, s, steps, keys, servers, clock=None):
+        self.w, self.s, self.steps, self.keys = w, s, steps, keys
+        self.srvs = []
+        for r in range(servers):
+            st_ = ServerState(r, w, True, wsp=WspSettings(k, s, clock))
+            self.srvs.append(st_)
+        for key in range(keys):
+            h = Header(MsgType.INIT, key=key, sender=0, length=N, dtype=F32)
+            self.srv_of(key).on_request(b"w0", h, np.zeros(N, np.float32))
+        self.base = {}               # (worker, key) -> round of the value it holds
+        self.done = [0] * w
+        self.queue = [[] for _ in range(w)]
+        self.open_pulls = [set() for _ in range(w)]
+        self.left = [False] * w
+        self.computed_on = {}        # (worker, key, label) -> round of the value
+
+    def srv_of(self, key):
+        return self.srvs[key % len(self.srvs)]
+
+    def slot(self, key):
+        return self.srv_of(key).slots[(key, 0)]
+
+    def can_act(self, x):
+        return not self.left[x] and (self.queue[x] or not self.open_pulls[x])
+
+    def act(self, x, rng):
+        if not self.queue[x]:
+            if self.done[x] == self.steps:
+                self.left[x] = True
+                for srv in self.srvs:
+                    srv.on_request(b"w%d" % x, Header(MsgType.LEAVE, sender=x), None)
+                return
+            it = self.done[x] = self.done[x] + 1
+            keys = list(range(self.keys))
+            rng.shuffle(keys)
+            pushes = [("push", key) for key in keys]
+            pulls = [("pull", key) for key in keys]
+            # Gluon pushes every key, then pulls every key; a PUSHPULL pairs them
+            self.queue[x] = pushes + pulls if rng.random() < 0.5 else \
+                [m for key in keys for m in (("push", key), ("pull", key))]
+            for key in keys:
+                self.computed_on[(x, key, it)] = self.base.get((x, key), 0)
+            self.open_pulls[x] = set(keys)
+        kind, key = self.queue[x].pop(0)
+        it = self.done[x]
+        h = Header(MsgType.PUSH if kind == "push" else MsgType.PULL, key=key, sender=x,
+                   iteration=it, length=N, dtype=F32 if kind == "push" else 0,
+                   request_id=1000 * x + it)
+        srv = self.srv_of(key)
+        outs = srv.on_request(b"w%d" % x, h, gradient(x, it) if kind == "push" else None)
+        self.handle(srv, outs)
+
+    def handle(self, srv, outs):
+        for o in outs:
+            if o.header.type == MsgType.DATA:
+                x, key = o.header.sender, o.header.key
+                assert key in self.open_pulls[x]
+                self.open_pulls[x].discard(key)
+                self.base[(x, key)] = srv.slots[(key, 0)].applied
+            else:
+                assert o.header.type == MsgType.ACK, o
+
+    def run(self, pick, rng):
+        while not all(self.left):
+            ready = [x for x in range(self.w) if self.can_act(x)]
+            assert ready, "deadlock: every worker waits (open pulls %s, applied %s)" % (
+                self.open_pulls, [self.slot(key).applied for key in range(self.keys)])
+            self.act(pick(ready), rng)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 5), st.integers(2, 4), st.integers(1, 2), st.data(),
+       st.randoms(use_true_random=False))
+def test_with_several_keys_and_servers_no_arrival_order_deadlocks_or_goes_too_stale(
+        w, keys, servers, data, rng):
+    k = data.draw(st.integers(1, w), label="k")
+    s = data.draw(st.integers(0, 3), label="s")
+    weights = data.draw(st.lists(st.sampled_from([1, 1, 1, 0.2]), min_size=w, max_size=w))
+    job = MultiJob(w, k, s, steps=6, keys=keys, servers=servers)
+    job.run(lambda ready: rng.choices(ready, [weights[x] for x in ready])[0], rng)
+    for key in range(keys):
+        slot = job.slot(key)
+        assert not slot.rounds and not slot.waiting
+        for (x, kk, it), b in job.computed_on.items():
+            if kk == key:
+                r = slot.wsp.placed[x].get(it)
+                if r is not None:
+                    assert wsp.staleness_of(r, b) <= s, (x, key, it, r, b)

@@ -237,13 +237,14 @@ def optimizer_index(key, offset):
 
 class _Round:
     __slots__ = ("acc", "acc_nd", "senders", "ltp", "closed", "frozen", "wake", "parts",
-                 "scale")
+                 "scale", "pushes")
 
     def __init__(self, acc, acc_nd, parts=None):
         self.acc = acc            # numpy view of the sum
         self.acc_nd = acc_nd      # the NDArray behind it (update on servers), or None
         self.parts = parts        # a row-sparse round: its pushes' (positions, values)
-        self.scale = 1.0          # WSP: W / contributors
+        self.scale = 1.0          # WSP: W / gradients
+        self.pushes = 0           # WSP: gradients in it (a late worker's can be two)
         self.senders = set()
         self.ltp = None           # MXPS_PUSH=ltp: the packets' accounting (ltp.rounds.LtpRound)
         self.closed = False       # ... and whether Early Close ended it
@@ -920,6 +921,7 @@ class ServerState:
         else:
             self._add(slot, h, rnd, grad)
         rnd.senders.add(h.sender)
+        rnd.pushes += 1
         self._complete_rounds(slot)
 
     def _wsp_of(self, slot):
@@ -949,7 +951,7 @@ class ServerState:
             elif not nxt.senders or not self._wsp_ready(slot, slot.applied + 1, nxt):
                 break
             else:
-                n = len(nxt.senders)
+                n = nxt.pushes
                 self.wsp_stats["rounds"] += 1
                 self.wsp_stats["contributions"] += n
                 if n != self.num_workers:     # the expected sum of a full round

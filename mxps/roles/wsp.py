@@ -13,13 +13,15 @@ A round of a slice completes, in order, when
    waits for it: bounded staleness, and the slowest is never starved (the round it holds up is
    the one its next push goes into).  ``s = 0`` is BSP whatever ``k``.
 
-A push goes into the first round after both the last complete round and the round its
-worker's previous push went into: the round it was computed for, or, if that completed
-without it, a later one (a late push is folded in, never dropped).  A pull after a worker's
-i-th push is answered once the round that push went into is complete.  Labels are the
-workers' own push counts; the server maps them to rounds, so a worker that fell behind
-jumps to the newest value at its next pull.  A round's sum is scaled by W / n for its n
-contributors: the expected sum of a full round (docs/WSP.md).
+Rounds are numbered by the workers' own push counts (labels), as under BSP: worker w's i-th
+push of a slice goes into round i if that round is still open, or else into the next open
+round (a late push is folded in, never dropped; a worker may then have two gradients in one
+round, n counts gradients).  A pull after a worker's i-th push is answered once round i is
+complete, not the later round a folded push went into: a round's completion then depends only
+on pushes made after pulls of earlier rounds, so waits cannot form a cycle across keys or
+servers (each key deciding its rounds alone, a pull that waited for the round its folded push
+went into did deadlock: docs/WSP.md).  A round's sum is scaled by W / n for its n gradients:
+the expected sum of a full round (docs/WSP.md).
 
 With ``k = W`` every round waits for every worker, no push is ever late, the scale is 1: BSP
 exactly (tests/test_wsp.py checks both).  A worker that leaves (LEAVE: it has finished
@@ -62,22 +64,21 @@ def may_complete(r, contributors, base, k, staleness, gone=()):
     return all(r - base[w] <= staleness for w in active if w not in contributors)
 
 
-def target_round(applied, last_round):
-    """The round a push goes into: after the last complete round and after the round the same
-    worker's previous push went into."""
-    return max(applied, last_round) + 1
+def target_round(applied, label):
+    """The round a push labelled ``label`` (its worker's push count) goes into: its own round if
+    that is still open, else the first open one (``applied`` rounds are complete)."""
+    return max(label, applied + 1)
 
 
 class SliceWsp:
-    """One slice's WSP bookkeeping on its server: for every worker, its last push label and
-    the round it went into, the round of the last value it received, the rounds its pushes
-    went into (label -> round, for its pulls), and its response times (auto k)."""
+    """One slice's WSP bookkeeping on its server: for every worker, its last push label, the
+    round of the last value it received, the rounds its recent pushes went into (label ->
+    round) and its response times (auto k)."""
 
-    __slots__ = ("latest", "last_round", "base", "placed", "sent_at", "times")
+    __slots__ = ("latest", "base", "placed", "sent_at", "times")
 
     def __init__(self, workers):
         self.latest = [0] * workers          # the last push label per worker
-        self.last_round = [0] * workers      # the round it went into
         self.base = [0] * workers            # the round of the last value it received
         self.placed = [dict() for _ in range(workers)]   # label -> round, recent ones
         self.sent_at = [None] * workers      # when its last value was sent
@@ -89,11 +90,11 @@ class SliceWsp:
         if label <= self.latest[w]:
             raise ValueError("pushed round %d after round %d (labels must grow)"
                              % (label, self.latest[w]))
-        r = target_round(applied, self.last_round[w])
-        self.latest[w], self.last_round[w] = label, r
+        r = target_round(applied, label)
+        self.latest[w] = label
         placed = self.placed[w]
         placed[label] = r
-        if len(placed) > 16:                 # pulls only ever ask for recent labels
+        if len(placed) > 16:                 # kept for inspection (tests, traces): recent ones
             for old in sorted(placed)[:-16]:
                 del placed[old]
         if now is not None and self.sent_at[w] is not None:
@@ -102,14 +103,12 @@ class SliceWsp:
         return r
 
     def pull_round(self, w, label):
-        """The round a pull after ``w``'s push ``label`` waits for; None: that push has not
+        """The round a pull after ``w``'s push ``label`` waits for: round ``label`` (even if the
+        push was folded into a later one; see the module's text); None: that push has not
         arrived yet (the pull waits for it)."""
         if label <= 0:
             return 0
-        r = self.placed[w].get(label)
-        if r is not None:
-            return r
-        return None if label > self.latest[w] else 0
+        return None if label > self.latest[w] else label
 
     def received(self, w, r, now=None):
         """Worker ``w`` was sent the value after round ``r`` (at ``now``)."""
@@ -131,11 +130,12 @@ class SliceWsp:
         return out
 
 
-def scale(workers, contributors):
-    """The factor a round's sum is multiplied by: W / n (1 for a full round)."""
-    if contributors <= 0:
+def scale(workers, gradients):
+    """The factor a round's sum of ``gradients`` gradients is multiplied by: W / n (1 for a
+    full round)."""
+    if gradients <= 0:
         raise ValueError("a round without contributors cannot complete")
-    return float(workers) / contributors if contributors != workers else 1.0
+    return float(workers) / gradients if gradients != workers else 1.0
 
 
 def staleness_of(landed, base_w):
