@@ -10,9 +10,11 @@ an order rotated per seed:
 
 - systems: ``bsp`` (``kvstore='mxps'``, dist_sync), ``asp`` (``mxps_async``) and ``wsp``
   (``mxps_wsp``: k chosen from response times, ``--staleness``);
-- scenarios: ``none`` and ``compute`` (the last worker sleeps ``--slow-seconds`` in every step
-  before its push: a straggler whose step takes several times the others').  The issue's
-  second straggler, a link at R/4, needs the emulated network and is not in this study.
+- scenarios: ``none``; ``compute`` (the last worker's compute takes ``--slow`` times as long:
+  ``3x`` by default, it sleeps twice its own forward and backward time of each step; or a
+  number of seconds it sleeps per step); ``link`` (an emulated network, ``mxps_tools.emunet``,
+  every node's link at ``--link-mbit`` Mbit/s up and down, the last worker's at a quarter of
+  it; needs root).  ``none`` and ``compute`` run on loopback.
 
 Worker 0 evaluates the test split after each epoch; the time to accuracy of a run is the
 first epoch end at which that reached ``--target`` (default 0.95), in seconds from worker 0's
@@ -35,7 +37,7 @@ from typing import Dict, List
 from . import jobs
 
 SYSTEMS = {"bsp": "mxps", "asp": "mxps_async", "wsp": "mxps_wsp"}
-SCENARIOS = ("none", "compute")
+SCENARIOS = ("none", "compute", "link")
 DEFAULT_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "tests", "jobs", "digits_job.py")
 
@@ -46,7 +48,7 @@ def run_env(system, scenario, seed, a, run_dir) -> Dict[str, str]:
            "DIGITS_SCHEDULE": "constant", "DIGITS_KVSTORE": SYSTEMS[system],
            "MXPS_WSP_STALENESS": a.staleness}
     if scenario == "compute":
-        env["DIGITS_SLOW"] = "%d:%g" % (a.workers - 1, a.slow_seconds)
+        env["DIGITS_SLOW"] = "%d:%s" % (a.workers - 1, a.slow)
     return {k: str(v) for k, v in env.items()}
 
 
@@ -58,7 +60,13 @@ def time_to(curve, ends, target):
     return None
 
 
-def run_one(system, scenario, seed, a) -> dict:
+def link_rates(a) -> Dict[str, float]:
+    """The link scenario's rates: every node at ``--link-mbit``, the last worker at R/4."""
+    return {n: (a.link_mbit / 4.0 if n == "w%d" % (a.workers - 1) else a.link_mbit)
+            for n in jobs.node_names(a.workers, 1)}
+
+
+def run_one(system, scenario, seed, a, topo=None) -> dict:
     name = "%s-%s-seed%d" % (scenario, system, seed)
     run_dir = os.path.join(a.out, "runs", name)
     os.makedirs(run_dir, exist_ok=True)
@@ -66,7 +74,7 @@ def run_one(system, scenario, seed, a) -> dict:
     t0 = time.monotonic()
     res = jobs.Job([a.job], a.workers, 1, env=run_env(system, scenario, seed, a, run_dir),
                    timeout=a.timeout, log_dir=os.path.join(run_dir, "logs"),
-                   cpu_interval=None).run()
+                   cpu_interval=None, topo=topo).run()
     rec["wall_seconds"] = time.monotonic() - t0
     if not res.ok:
         rec["error"] = res.describe()
@@ -79,6 +87,7 @@ def run_one(system, scenario, seed, a) -> dict:
     rec.update(curve=w0["test_accuracy"], ends=w0["epoch_end_seconds"],
                final=w0["final_accuracy"], train_seconds=w0["train_seconds"],
                workers_seconds=[x["train_seconds"] for x in ranks],
+               compute_seconds=[x.get("compute_seconds_median") for x in ranks],
                kvstore_type=w0["kvstore_type"],
                time_to_target=time_to(w0["test_accuracy"], w0["epoch_end_seconds"], a.target))
     return rec
@@ -126,8 +135,11 @@ def plot(records, path, target):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colors = {"bsp": "tab:blue", "asp": "tab:orange", "wsp": "tab:green"}
-    fig, axes = plt.subplots(1, len(SCENARIOS), figsize=(5.5 * len(SCENARIOS), 4), sharey=True)
-    for ax, scenario in zip(axes, SCENARIOS):
+    scenarios = [x for x in SCENARIOS if any(r["scenario"] == x for r in records)]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
+    for ax, scenario in zip(axes, scenarios):
         for r in records:
             if r["scenario"] != scenario or "error" in r:
                 continue
@@ -153,7 +165,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--staleness", type=int, default=2)
-    p.add_argument("--slow-seconds", type=float, default=0.06)
+    p.add_argument("--slow", default="3x",
+                   help="the compute straggler: Fx (its compute F times as long) or seconds "
+                        "of sleep per step")
+    p.add_argument("--link-mbit", type=float, default=100.0,
+                   help="the link scenario's rate; the straggler's link is a quarter of it")
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
@@ -170,22 +186,34 @@ def main(argv=None) -> int:
             records = [json.loads(ln) for ln in f if ln.strip()]
     done = {r["name"] for r in records if "error" not in r}
     systems = list(SYSTEMS)
-    for i, seed in enumerate(a.seeds):
-        order = systems[i % 3:] + systems[:i % 3]
-        for scenario in a.scenarios:
-            for system in order:
-                name = "%s-%s-seed%d" % (scenario, system, seed)
-                if name in done:
-                    continue
-                rec = run_one(system, scenario, seed, a)
-                records.append(rec)
-                with open(path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                sys.stdout.write("%s: %s\n" % (name, "FAILED" if "error" in rec else
-                                                "%.1f s to target, final %.3f, wall %.1f s" % (
-                                                    rec["time_to_target"] or float("nan"),
-                                                    rec["final"], rec["wall_seconds"])))
-                sys.stdout.flush()
+    topo = None
+    if "link" in a.scenarios:
+        from . import emunet
+        emunet.check_prerequisites()
+        emunet.cleanup_stale()
+        topo = emunet.Topology(jobs.node_names(a.workers, 1), rates=link_rates(a))
+        topo.start()
+    try:
+        for i, seed in enumerate(a.seeds):
+            order = systems[i % 3:] + systems[:i % 3]
+            for scenario in a.scenarios:
+                for system in order:
+                    name = "%s-%s-seed%d" % (scenario, system, seed)
+                    if name in done:
+                        continue
+                    rec = run_one(system, scenario, seed, a,
+                                  topo if scenario == "link" else None)
+                    records.append(rec)
+                    with open(path, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    sys.stdout.write("%s: %s\n" % (name, "FAILED" if "error" in rec else
+                                                    "%.1f s to target, final %.3f, wall %.1f s"
+                                                    % (rec["time_to_target"] or float("nan"),
+                                                       rec["final"], rec["wall_seconds"])))
+                    sys.stdout.flush()
+    finally:
+        if topo is not None:
+            topo.close()
     summary = summarise(records, a.target)
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -18,10 +18,19 @@ def test_the_summary_averages_runs_that_reached_the_target_and_counts_the_others
     assert "| compute | wsp | 5.0 (4.0-6.0) | 2/3 |" in study_wsp.format_table(summary)
 
 
-def test_a_straggler_scenario_makes_the_last_worker_sleep_in_every_step():
-    class A:
-        epochs, batch, lr, staleness, workers, slow_seconds = 3, 16, 0.02, 2, 4, 0.05
+class A:
+    epochs, batch, lr, staleness, workers, slow, link_mbit = 3, 16, 0.02, 2, 4, "3x", 100.0
+
+
+def test_a_compute_straggler_scenario_slows_the_last_workers_compute_only():
     env = study_wsp.run_env("wsp", "compute", 2, A, "/tmp/x")
-    assert env["DIGITS_SLOW"] == "3:0.05" and env["DIGITS_KVSTORE"] == "mxps_wsp"
+    assert env["DIGITS_SLOW"] == "3:3x" and env["DIGITS_KVSTORE"] == "mxps_wsp"
     assert env["DIGITS_SCHEDULE"] == "constant"
-    assert "DIGITS_SLOW" not in study_wsp.run_env("bsp", "none", 2, A, "/tmp/x")
+    for scenario in ("none", "link"):
+        assert "DIGITS_SLOW" not in study_wsp.run_env("bsp", scenario, 2, A, "/tmp/x")
+
+
+def test_a_link_straggler_scenario_gives_the_last_worker_a_quarter_of_the_rate():
+    rates = study_wsp.link_rates(A)
+    assert rates.pop("w3") == 25.0
+    assert set(rates.values()) == {100.0} and {"sched", "s0", "w0"} <= set(rates)

@@ -23,7 +23,9 @@ Environment:
   DIGITS_SCHEDULE  cosine (default, above) or constant (the base rate throughout: a schedule
                    counts the servers' updates, and dist_async makes W times more of them).
   DIGITS_SLOW      "rank:seconds": that worker sleeps that long in every step, before its
-                   push (a straggler; WSP's study, mxps_tools.study_wsp).
+                   push; "rank:Fx": it sleeps F - 1 times its own forward and backward time
+                   of that step, so its compute takes F times as long (a straggler; WSP's
+                   study, mxps_tools.study_wsp).
   DIGITS_SEED      the seed of the initial weights and of every epoch's shuffling of each
                    worker's shard (default 1); the transport's own randomness (MXPS_LTP_SEED)
                    is set by the caller.
@@ -83,10 +85,15 @@ def settings():
         raise SystemExit("DIGITS_SCHEDULE must be cosine or constant, got %r" % s["schedule"])
     if s["slow"]:
         try:
-            rank, seconds = s["slow"].split(":")
-            s["slow"] = (int(rank), float(seconds))
+            rank, amount = s["slow"].split(":")
+            factor = amount.endswith("x")
+            value = float(amount[:-1] if factor else amount)
+            if value < (1 if factor else 0):
+                raise ValueError(amount)
+            s["slow"] = (int(rank), value, factor)
         except ValueError:
-            raise SystemExit("DIGITS_SLOW must be rank:seconds, got %r" % s["slow"]) from None
+            raise SystemExit("DIGITS_SLOW must be rank:seconds or rank:Fx (F >= 1), got %r"
+                             % s["slow"]) from None
     if not s["out"]:
         raise SystemExit("DIGITS_OUT must name the output directory")
     if s["model"] not in MODELS:
@@ -165,21 +172,25 @@ def train(s):
         opt["lr_scheduler"] = mx.lr_scheduler.CosineScheduler(
             max_update=steps * s["epochs"], base_lr=s["lr"], final_lr=0.0)
     trainer = gluon.Trainer(params, "sgd", opt, kvstore=kv)
-    slow = s["slow"][1] if s["slow"] and s["slow"][0] == rank else 0.0
+    slow = s["slow"][1:] if s["slow"] and s["slow"][0] == rank else None
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    curve, losses, ends = [], [], []
+    curve, losses, ends, compute = [], [], [], []
     start_wall = time.time()
     t0 = time.perf_counter()
     for epoch in range(s["epochs"]):
         batches = epoch_batches(len(ytr), rank, workers, steps, s["batch"], s["seed"], epoch)
         total = 0.0
         for idx in batches:
+            c0 = time.perf_counter()
             data = mx.nd.array(xtr[idx]).reshape(shape)
             with autograd.record():
                 loss = loss_fn(net(data), mx.nd.array(ytr[idx]))
             loss.backward()
+            mx.nd.waitall()
+            compute.append(time.perf_counter() - c0)
             if slow:
-                time.sleep(slow)
+                value, factor = slow
+                time.sleep((value - 1) * compute[-1] if factor else value)
             trainer.step(s["batch"])
             total += float(loss.mean().asscalar())
         losses.append(total / steps)
@@ -197,6 +208,7 @@ def train(s):
         "test_accuracy": curve, "train_loss": losses, "final_accuracy": curve[-1],
         "weights_sha256": digest(weights),
         "train_seconds": seconds, "epoch_end_seconds": ends, "start_wall": start_wall,
+        "compute_seconds_median": float(np.median(compute)),
         "mxps_file": getattr(sys.modules.get("mxps"), "__file__", None),
     }
 
