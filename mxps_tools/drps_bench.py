@@ -37,10 +37,7 @@ def run_one(store, rep, a):
            "DRPS_STEPS": a.steps, "DRPS_WARMUP": a.warmup, "DRPS_BATCH": a.batch,
            "DRPS_FIELDS": a.fields, "DRPS_ZIPF": a.zipf, "DRPS_IDS": a.ids,
            "DRPS_MOMENTUM": a.momentum, "DRPS_SEED": rep,
-           "MXPS_METRICS": os.path.join(run_dir, "metrics"), "MXPS_TIMEOUT": 600,
-           # the memory store makes its slice of the table (GBs) at INIT in the server's loop,
-           # which sends no heartbeat meanwhile: measured > 10 s for 2 GB (the default timeout)
-           "MXPS_HEARTBEAT_TIMEOUT": 300}
+           "MXPS_METRICS": os.path.join(run_dir, "metrics"), "MXPS_TIMEOUT": 600}
     store_dir = None
     if store == "disk":
         store_dir = tempfile.mkdtemp(prefix="drps-store-", dir=a.store_root)

@@ -87,19 +87,38 @@ def test_a_disk_table_makes_only_the_rows_a_round_touches(tmp_path):
     assert disk.store_stats()["init_rows"] == 2
 
 
+def check_table_job(out, rows, cols):
+    rule = TableInit((rows, cols), scale=0.5, seed=3)
+    ids = np.array([0, 7, 2499, 2500, 4999])
+    want = rule.values((ids[:, None] * cols + np.arange(cols)).ravel()).reshape(len(ids), cols)
+    for r in range(2):
+        with open(os.path.join(out, "rank%d.json" % r)) as f:
+            got = json.load(f)
+        assert got["ids"] == ids.tolist()
+        np.testing.assert_allclose(got["before"], want, rtol=1e-6)
+        after = want.copy()
+        after[[1, 3]] -= 2.0          # both workers pushed ones on rows 7 and 2500, lr 1
+        np.testing.assert_allclose(got["after"], after, rtol=1e-6, atol=1e-6)
+
+
+def test_a_server_making_a_table_for_longer_than_the_heartbeat_timeout_is_not_taken_for_dead(
+        tmp_path):
+    """Each server makes 32M elements in RAM from the rule (seconds) while the heartbeat
+    timeout is 1 s: the servers heartbeat from inside that work and read the scheduler's
+    messages of meanwhile before judging its silence (without either the job dies)."""
+    import cluster
+    job = os.path.join(os.path.dirname(__file__), "jobs", "table_job.py")
+    rows, cols = 4 << 20, 16
+    cluster.run_job([job], 2, 2, env={"TABLE_OUT": str(tmp_path), "TABLE_ROWS": rows,
+                                      "TABLE_COLS": cols, "MXPS_HEARTBEAT_INTERVAL": 0.25,
+                                      "MXPS_HEARTBEAT_TIMEOUT": 1.0},
+                    timeout=180).raise_for_failure()
+    check_table_job(str(tmp_path), rows, cols)
+
+
 def test_a_job_inits_a_table_from_a_rule_and_pulls_and_pushes_its_rows(tmp_path):
     import cluster
     job = os.path.join(os.path.dirname(__file__), "jobs", "table_job.py")
     cluster.run_job([job], 2, 2, env={"TABLE_OUT": str(tmp_path)},
                     timeout=180).raise_for_failure()
-    rule = TableInit((5000, 8), scale=0.5, seed=3)
-    want = rule.span(0, 5000 * 8).reshape(5000, 8)
-    for r in range(2):
-        with open(os.path.join(str(tmp_path), "rank%d.json" % r)) as f:
-            got = json.load(f)
-        ids = got["ids"]
-        assert ids == [0, 7, 2499, 2500, 4999]
-        np.testing.assert_allclose(got["before"], want[ids], rtol=1e-6)
-        after = want[ids].copy()
-        after[[1, 3]] -= 2.0          # both workers pushed ones on rows 7 and 2500, lr 1
-        np.testing.assert_allclose(got["after"], after, rtol=1e-6, atol=1e-6)
+    check_table_job(str(tmp_path), 5000, 8)

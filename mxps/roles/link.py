@@ -283,10 +283,15 @@ class SchedulerLink:
         transport.send(self.sock, Header(type_, sender=self.rank, **fields), body)
         self.last_sent = time.monotonic()
 
-    def tick(self, now):
-        """Heartbeat when due; fatal if the scheduler has been silent too long."""
+    def beat(self, now):
+        """Heartbeat when due (also from inside long work of the node's loop, which is busy,
+        not frozen; the scheduler's silence is judged by ``tick`` once the loop is back)."""
         if now - self.last_sent >= self.cfg.heartbeat_interval:
             self.send(MsgType.HEARTBEAT)
+
+    def tick(self, now):
+        """Heartbeat when due; fatal if the scheduler has been silent too long."""
+        self.beat(now)
         if now - self.last_heard > self.cfg.heartbeat_timeout and not self.shutdown:
             fatal(self.name, "lost the scheduler at %s:%d (silent for %.1f s, "
                   "MXPS_HEARTBEAT_TIMEOUT=%s)" % (self.cfg.root_uri, self.cfg.root_port,

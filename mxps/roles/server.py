@@ -116,7 +116,8 @@ class Server:
                                   self.cfg.store_resume)
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
                                  num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp,
-                                 wsp=wsp, store=store)
+                                 wsp=wsp, store=store,
+                                 progress=lambda: self.link.beat(time.monotonic()))
         self.peer_addrs = welcome["servers"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
         self.drops = transport.Tally(log)
@@ -249,7 +250,9 @@ class Server:
                 self._send(self.state.on_tick(time.monotonic()))
             if self.sock in events:
                 self._serve_requests()
-            if self.link.sock in events:
+            # after long work (a table made from its rule) the scheduler's messages of
+            # meanwhile are read before its silence is judged
+            if self.link.sock in events or self.link.sock.poll(0):
                 self._serve_scheduler()
             for rank, sock in list(self.peers.items()):
                 if sock in events:

@@ -486,8 +486,11 @@ class ServerState:
     ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
 
     def __init__(self, rank, num_workers, sync, num_servers=None, trace=None, ltp=None,
-                 wsp=None, store=None):
+                 wsp=None, store=None, progress=None):
         self.rank = rank
+        # called now and then inside work that takes seconds (a table made from its rule), so
+        # that the server heartbeats meanwhile (roles/server.py); None: nobody to tell
+        self.progress = progress
         self.num_workers = num_workers
         self.sync = sync
         self.num_servers = num_servers   # when known, a plan naming another server is refused
@@ -766,7 +769,8 @@ class ServerState:
         if self.store is not None:
             store = self._disk_slice(h, arr, cols, rule)
         elif rule is not None:
-            store = MemorySlice(rule.span(h.offset, h.offset + h.length))
+            store = MemorySlice(rule.span(h.offset, h.offset + h.length,
+                                          progress=self.progress))
         else:
             store = MemorySlice(arr.copy())
         slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype, store)

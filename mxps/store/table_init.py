@@ -46,14 +46,17 @@ class TableInit:
         u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
         return (self.scale * (2.0 * u - 1.0)).astype(self.dtype)
 
-    def span(self, start, stop, block=1 << 22):
+    def span(self, start, stop, block=1 << 22, progress=None):
         """Elements [start, stop) of the flat table, made ``block`` elements at a time (the
         hash's temporaries are 8 bytes per element: a slice of a 4 GB table at once would
-        need several times its size)."""
+        need several times its size); ``progress()`` is called after every block (a server
+        making GBs keeps heartbeating: seconds of work are not a frozen node)."""
         out = np.empty(max(0, stop - start), self.dtype)
         for a in range(start, stop, block):
             b = min(stop, a + block)
             out[a - start:b - start] = self.values(np.arange(a, b, dtype=np.int64))
+            if progress is not None:
+                progress()
         return out
 
     def describe(self):

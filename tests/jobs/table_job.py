@@ -1,6 +1,7 @@
 """A table initialised from a rule (mxps.TableInit), pulled and pushed row by row
 (tests/test_table_init.py).  TABLE_OUT: directory for rank<R>.json (the rows pulled before
-and after one round of sparse pushes)."""
+and after one round of sparse pushes); TABLE_ROWS, TABLE_COLS: the table's shape (default
+5000 x 8)."""
 import json
 import os
 
@@ -8,7 +9,8 @@ import mxps
 import mxnet as mx
 import numpy as np
 
-ROWS, COLS = 5000, 8
+ROWS = int(os.environ.get("TABLE_ROWS", 5000))
+COLS = int(os.environ.get("TABLE_COLS", 8))
 OUT = os.environ["TABLE_OUT"]
 
 
