@@ -6,16 +6,23 @@ their memory.
 
 runs ``mxps_tools/drps_job.py`` (its docstring has the model) with ``--workers`` workers and
 ``--servers`` servers on loopback, once per store (``--stores``: ``memory``, ``disk`` with
-``MXPS_STORE_CACHE_MB`` = ``--cache-mb`` per server) and repetition, the stores interleaved,
+``MXPS_STORE_CACHE_MB`` = ``--cache-mb`` per server; ``native``: MXNet's own ``dist_sync``, worker
+0 sending the whole table at init) and repetition, the stores interleaved,
 and reports per store: mean, median and p90 step time over every worker's timed steps, the
 job's wall time, the servers' peak RSS (sampled every 0.25 s with psutil) against the cache
 budget, and from the servers' store reports (``MXPS_METRICS``) the rows read per step, the
 cache hit rate and the bytes read and written per step.  The page cache is the machine's: a
 table whose file fits in free RAM is read from memory by the kernel after its first touch
-(the report says how much RAM the machine has free).  The table is made from a rule
-(``mxps.TableInit``), so no worker holds it; the memory store makes it whole at init.
+(the report says how much RAM the machine has free), unless ``--server-memory-mb`` puts each
+server of a disk store run in a memory cgroup (v1, /sys/fs/cgroup/memory, joined by the server
+process itself before it imports MXNet; needs root) with that
+hard limit, which counts the server's page cache too: then rows evicted from the cache are read
+from the disk, and a server that needed more would be killed (the run fails).  The cgroups'
+peak usage and failure counts are reported; they are removed after each run.  The table is made
+from a rule (``mxps.TableInit``), so no worker holds it; the memory store makes it whole at init.
 """
 import argparse
+import glob
 import json
 import os
 import sys
@@ -27,6 +34,45 @@ import psutil
 from . import jobs
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drps_job.py")
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+class ServerCgroups:
+    """The memory cgroups (v1) of a job's servers, ``limit_mb`` each: every server node makes its
+    own at start-up, before importing MXNet (drps_job.join_cgroup, from the variables of
+    ``env()``), so that all its memory is charged to it; ``report()`` gives each one's peak
+    usage and failure count, ``remove()`` deletes them once the processes have exited."""
+
+    def __init__(self, tag, limit_mb):
+        if not os.path.isdir(CGROUP_ROOT):
+            raise SystemExit("--server-memory-mb needs the cgroup v1 memory controller at %s"
+                             % CGROUP_ROOT)
+        self.prefix = os.path.join(CGROUP_ROOT, "mxps-drps-%d-%s" % (os.getpid(), tag))
+        self.limit_mb = limit_mb
+
+    def env(self):
+        return {"DRPS_SERVER_CGROUP": self.prefix, "DRPS_SERVER_MEMORY_MB": self.limit_mb}
+
+    def paths(self):
+        return sorted(glob.glob(self.prefix + "-*"))
+
+    @staticmethod
+    def _read(path, name):
+        with open(os.path.join(path, name)) as f:
+            return int(f.read().strip())
+
+    def report(self):
+        return {os.path.basename(p): {
+            "limit_mb": self._read(p, "memory.limit_in_bytes") / 2 ** 20,
+            "max_usage_mb": self._read(p, "memory.max_usage_in_bytes") / 2 ** 20,
+            "failcnt": self._read(p, "memory.failcnt")} for p in self.paths()}
+
+    def remove(self):
+        for p in self.paths():
+            try:
+                os.rmdir(p)
+            except OSError as e:
+                sys.stderr.write("could not remove cgroup %s: %s\n" % (p, e))
 
 
 def run_one(store, rep, a):
@@ -38,10 +84,16 @@ def run_one(store, rep, a):
            "DRPS_FIELDS": a.fields, "DRPS_ZIPF": a.zipf, "DRPS_IDS": a.ids,
            "DRPS_MOMENTUM": a.momentum, "DRPS_SEED": rep,
            "MXPS_METRICS": os.path.join(run_dir, "metrics"), "MXPS_TIMEOUT": 600}
-    store_dir = None
+    store_dir = cgroups = None
     if store == "disk":
         store_dir = tempfile.mkdtemp(prefix="drps-store-", dir=a.store_root)
         env.update(MXPS_STORE="disk", MXPS_STORE_DIR=store_dir, MXPS_STORE_CACHE_MB=a.cache_mb)
+        if a.server_memory_mb:
+            cgroups = ServerCgroups(name, a.server_memory_mb)
+            env.update(cgroups.env())
+    elif store == "native":
+        env.update(DRPS_KVSTORE="dist_sync")
+        del env["MXPS_METRICS"], env["MXPS_TIMEOUT"]
     peak = {}
 
     def sample(job):
@@ -54,12 +106,14 @@ def run_one(store, rep, a):
                 peak[n.name] = max(peak.get(n.name, 0), rss)
 
     t0 = time.monotonic()
-    res = jobs.Job([JOB], a.workers, a.servers, env={k: str(v) for k, v in env.items()},
-                   timeout=a.timeout, log_dir=os.path.join(run_dir, "logs"), cpu_interval=None,
-                   on_poll=sample).run()
-    rec = {"name": name, "store": store, "rep": rep, "wall_seconds": time.monotonic() - t0,
-           "server_peak_rss_mb": {k: v / 2 ** 20 for k, v in sorted(peak.items())}}
     try:
+        res = jobs.Job([JOB], a.workers, a.servers, env={k: str(v) for k, v in env.items()},
+                       timeout=a.timeout, log_dir=os.path.join(run_dir, "logs"),
+                       cpu_interval=None, on_poll=sample).run()
+        rec = {"name": name, "store": store, "rep": rep, "wall_seconds": time.monotonic() - t0,
+               "server_peak_rss_mb": {k: v / 2 ** 20 for k, v in sorted(peak.items())}}
+        if cgroups is not None:
+            rec["server_cgroups"] = cgroups.report()
         if not res.ok:
             rec["error"] = res.describe()
             return rec
@@ -80,6 +134,8 @@ def run_one(store, rep, a):
             rec["store_stats"] = stats
         return rec
     finally:
+        if cgroups is not None:
+            cgroups.remove()
         if store_dir is not None:
             import shutil
             shutil.rmtree(store_dir, ignore_errors=True)
@@ -136,6 +192,8 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--store-root", default=None, help="where disk stores go (default: /tmp)")
+    p.add_argument("--server-memory-mb", type=float, default=None,
+                   help="a hard memory limit (cgroup) per server of disk store runs")
     p.add_argument("--json")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)

@@ -11,13 +11,36 @@ The table is initialised from a rule (``mxps.TableInit``): no worker ever holds 
 Environment (all required but DRPS_OUT's defaults): DRPS_OUT (directory: rank<R>.json with the
 step times), DRPS_ROWS, DRPS_COLS, DRPS_STEPS, DRPS_WARMUP, DRPS_BATCH, DRPS_FIELDS,
 DRPS_ZIPF (exponent), DRPS_IDS (``scattered``: hot rows spread over the id space by a fixed
-permutation, or ``sorted``: id = popularity rank), DRPS_MOMENTUM, DRPS_SEED.
+permutation, or ``sorted``: id = popularity rank), DRPS_MOMENTUM, DRPS_SEED; DRPS_KVSTORE
+(default ``mxps``; ``dist_sync`` runs native MXNet: ``mxps`` is then not imported, worker 0
+makes the whole table, uniform in the same range from its own seed, and sends it at init).
 """
 import json
 import os
 import time
 
-import mxps
+
+def join_cgroup():
+    """DRPS_SERVER_CGROUP (a path prefix under the cgroup v1 memory controller) and
+    DRPS_SERVER_MEMORY_MB: a server node puts itself, before it imports anything large, into a
+    memory cgroup of its own, ``<prefix>-<pid>``, with that hard limit (page cache included);
+    the bench reads and removes it."""
+    prefix = os.environ.get("DRPS_SERVER_CGROUP")
+    if not prefix or os.environ.get("DMLC_ROLE") != "server":
+        return
+    path = "%s-%d" % (prefix, os.getpid())
+    os.mkdir(path)
+    limit = int(float(os.environ["DRPS_SERVER_MEMORY_MB"]) * 2 ** 20)
+    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit))
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+join_cgroup()
+KVSTORE = os.environ.get("DRPS_KVSTORE", "mxps")
+if KVSTORE.startswith("mxps"):
+    import mxps
 import mxnet as mx
 import numpy as np
 from mxnet import autograd
@@ -50,11 +73,19 @@ def ids_of(ranks):
 
 
 def main():
-    kv = mx.kv.create("mxps")
+    kv = mx.kv.create(KVSTORE)
     rank = kv.rank
     kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.05, momentum=MOMENTUM,
                                       rescale_grad=1.0 / BATCH))
-    kv.init("emb", mxps.TableInit((ROWS, COLS), scale=0.05, seed=7))
+    if KVSTORE.startswith("mxps"):
+        kv.init("emb", mxps.TableInit((ROWS, COLS), scale=0.05, seed=7))
+    else:           # native: the table itself (worker 0's is sent; the others' are ignored)
+        if rank == 0:
+            table = mx.nd.random.uniform(-0.05, 0.05, (ROWS, COLS)).tostype("row_sparse")
+        else:
+            table = mx.nd.sparse.zeros("row_sparse", (ROWS, COLS))
+        kv.init("emb", table)
+        del table
     rs = np.random.RandomState(11)
     w1 = mx.nd.array(rs.randn(COLS, HIDDEN) * 0.1)
     w2 = mx.nd.array(rs.randn(HIDDEN, 1) * 0.1)
