@@ -171,6 +171,29 @@ def test_a_2x2_job_with_the_disk_store_ends_with_the_memory_stores_weights(jobs,
         assert any(n.endswith(".manifest.json") for n in names), names
 
 
+def test_a_job_restarted_from_its_store_ends_with_the_weights_of_an_uninterrupted_job(
+        jobs, tmp_path):
+    """2x2, Adam on the servers: 10 steps in one job, against 5 steps, a clean stop (the store
+    flushed) and a new job with MXPS_STORE_RESUME=1 on the same directory training steps 5-9:
+    the same weights (Adam's moments and its update count came back from the disk)."""
+    import cluster
+    env = dict(update_on_kvstore=True, optimizer="adam", model="mlp_big",
+               MXNET_KVSTORE_BIGARRAY_BOUND=100000, MXPS_STORE="disk", MXPS_STORE_CACHE_MB=1)
+    whole = jobs.train(cluster.train_env("mxps", steps=10, MXPS_STORE_DIR=str(tmp_path / "a"),
+                                         **env), 2, 2)
+    store = str(tmp_path / "b")
+    first = jobs.train(cluster.train_env("mxps", steps=5, MXPS_STORE_DIR=store, **env), 2, 2)
+    second = jobs.train(cluster.train_env("mxps", steps=10, JOB_FIRST_STEP=5,
+                                          MXPS_STORE_DIR=store, MXPS_STORE_RESUME=1, **env),
+                        2, 2)
+    want = cluster.assert_synchronised(whole.out_dir, 2)
+    half = cluster.assert_synchronised(first.out_dir, 2)
+    got = cluster.assert_synchronised(second.out_dir, 2)
+    cluster.assert_weights_close(got, want, rtol=1e-6, what="resumed vs uninterrupted")
+    with pytest.raises(AssertionError):          # the second job did train on
+        cluster.assert_weights_close(half, want, rtol=1e-6, what="after 5 steps")
+
+
 def test_a_sparse_job_with_the_disk_store_equals_the_one_process_reference(tmp_path):
     import cluster
     from test_sparse import SPARSE_JOB

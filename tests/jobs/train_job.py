@@ -16,6 +16,9 @@ Environment:
   JOB_UPDATE_ON_KVSTORE  1 / 0 / unset (Trainer's default). For module: sets
                          MXNET_UPDATE_ON_KVSTORE, which Module reads.
   JOB_STEPS              training steps (default 20).
+  JOB_FIRST_STEP         the step to start at (default 0): a job resumed from a store
+                         (MXPS_STORE_RESUME) trains steps JOB_FIRST_STEP..JOB_STEPS-1 on the
+                         batches an uninterrupted job would.
   JOB_BATCH              batch size per worker (default 32; split across devices).
   JOB_DEVICES            contexts per worker: mx.cpu(0..N-1) (default 1).
   JOB_SIMULATE_WORKERS   W: a single process (JOB_KVSTORE=device) plays W synchronous workers
@@ -77,6 +80,7 @@ OPTIMIZER = os.environ.get("JOB_OPTIMIZER", "sgd")
 LR_MULT = _env_flag("JOB_LR_MULT") or False
 UPDATE_ON_KVSTORE = _env_flag("JOB_UPDATE_ON_KVSTORE")
 STEPS = _env_int("JOB_STEPS", 20)
+FIRST_STEP = _env_int("JOB_FIRST_STEP", 0)
 BATCH = _env_int("JOB_BATCH", 32)
 DEVICES = _env_int("JOB_DEVICES", 1)
 # JOB_SIMULATE_WORKERS=W: one process plays W synchronous workers exactly: W devices, device i
@@ -174,6 +178,9 @@ def run_gluon():
     # right before set_optimizer pickles the optimizer to the servers), then calls this.
     trainer._optimizer.rescale_grad = trainer._scale / BATCH
     trainer._init_kvstore()
+    if FIRST_STEP and KVSTORE.startswith("mxps"):      # resumed: start from the stored weights
+        import mxps
+        mxps.resume_trainer(trainer)
     kv = trainer._kvstore
     rank = kv.rank if kv is not None else 0
     num_workers = kv.num_workers if kv is not None else 1
@@ -184,7 +191,7 @@ def run_gluon():
 
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     step_seconds = []
-    for step in range(STEPS):
+    for step in range(FIRST_STEP, STEPS):
         t0 = time.perf_counter()
         if SIMULATE:
             xs = [mx.nd.array(sx[step], ctx=c) for (sx, _), c in zip(shards, ctxs)]
