@@ -181,6 +181,7 @@ def train(s):
         batches = epoch_batches(len(ytr), rank, workers, steps, s["batch"], s["seed"], epoch)
         total = 0.0
         for idx in batches:
+            mx.nd.waitall()             # the last step's pulls: not this step's compute
             c0 = time.perf_counter()
             data = mx.nd.array(xtr[idx]).reshape(shape)
             with autograd.record():
