@@ -81,7 +81,9 @@ def main():
         kv.init("emb", mxps.TableInit((ROWS, COLS), scale=0.05, seed=7))
     else:           # native: the table itself (worker 0's is sent; the others' are ignored)
         if rank == 0:
-            table = mx.nd.random.uniform(-0.05, 0.05, (ROWS, COLS)).tostype("row_sparse")
+            table = mx.nd.sparse.row_sparse_array(       # every row, built in place
+                (mx.nd.random.uniform(-0.05, 0.05, (ROWS, COLS)),
+                 mx.nd.arange(ROWS, dtype="int64")), shape=(ROWS, COLS))
         else:
             table = mx.nd.sparse.zeros("row_sparse", (ROWS, COLS))
         kv.init("emb", table)
