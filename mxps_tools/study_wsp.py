@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     done = {r["name"] for r in records if "error" not in r}
     systems = list(SYSTEMS)
     topo = None
-    if "link" in a.scenarios:
+    if any("link-%s-seed%d" % (system, seed) not in done
+           for system in systems for seed in a.seeds) and "link" in a.scenarios:
         from . import emunet
         emunet.check_prerequisites()
         emunet.cleanup_stale()
