@@ -1,29 +1,56 @@
 """The server's rate grant to the workers pushing to it (mxps.ltp.share)."""
+import collections
+import random
+
 import pytest
 
 from mxps.ltp import share
 from mxps.ltp.share import Share
 
 
-def _feed(s, workers, rate, seconds, start=0.0, nbytes=9000, loss_every=None):
-    """Packets of ``nbytes`` from each of ``workers`` at ``rate`` bytes/s each, round robin;
-    with ``loss_every`` k, every k-th packet number of a worker never arrives."""
+def _feed(s, workers, rate, seconds, start=0.0, nbytes=9000):
+    """Packets of ``nbytes`` from each of ``workers`` at ``rate`` bytes/s each, round robin."""
     per = nbytes / rate
-    t, pn = start, {w: 0 for w in workers}
+    t = start
     while t < start + seconds:
         for w in workers:
-            pn[w] += 1
-            if loss_every and pn[w] % loss_every == 0:
-                continue
-            s.on_packet(w, nbytes, t, pn[w])
+            s.on_packet(w, nbytes, t)
         t += per
     return t
+
+
+def _closed_loop(s, workers, link, seconds, start=0.0, loss=0.0, queue=0.002, nbytes=9000,
+                 seed=1, dt=0.0005):
+    """Backlogged ``workers`` each paced at the server's grant (``link`` / their number
+    before there is one) into a ``link`` of bytes/s behind a drop-tail queue of ``queue``
+    seconds at the link rate, with random ``loss`` before it; returns (end time, the largest
+    sum of grants seen after the first second)."""
+    rng = random.Random(seed)
+    credit = {w: 0.0 for w in workers}
+    fifo, served, t, most = collections.deque(), 0.0, start, 0.0
+    limit = max(1, int(queue * link / nbytes))
+    while t < start + seconds:
+        g = s.grant(t) or link / len(workers)
+        if t > start + 1.0:
+            most = max(most, g * len(workers))
+        for w in workers:
+            credit[w] += g * dt
+            while credit[w] >= nbytes:
+                credit[w] -= nbytes
+                if rng.random() >= loss and len(fifo) < limit:
+                    fifo.append(w)
+        served = served + link * dt if fifo else 0.0    # an idle link does not save up
+        while fifo and served >= nbytes:
+            served -= nbytes
+            s.on_packet(fifo.popleft(), nbytes, t)
+        t += dt
+    return t, most
 
 
 def test_no_grant_before_the_first_rate_sample():
     s = Share(4)
     assert s.grant(0.0) == 0.0
-    s.on_packet(0, 9000, 0.0, 1)
+    s.on_packet(0, 9000, 0.0)
     assert s.capacity is None and s.grant(0.001) == 0.0
 
 
@@ -31,37 +58,95 @@ def test_each_active_worker_gets_an_equal_share_of_what_arrives_with_headroom():
     s = Share(8)
     end = _feed(s, range(8), 50e6 / 8, 0.5)
     assert s.capacity == pytest.approx(50e6, rel=0.05)
-    assert s.grant(end) == pytest.approx(share.HEADROOM * 50e6 / 8, rel=0.05)
+    assert s.grant(end) == pytest.approx(share.gain(end) * 50e6 / 8, rel=0.05)
 
 
 def test_workers_silent_for_longer_than_active_do_not_count():
     s = Share(8)
     end = _feed(s, range(8), 50e6 / 8, 0.3)
     end = _feed(s, range(2), 25e6, 0.3 + share.ACTIVE, start=end)
-    assert s.grant(end) == pytest.approx(share.HEADROOM * s.capacity / 2, rel=1e-9)
+    assert s.grant(end) == pytest.approx(share.gain(end) * s.capacity / 2, rel=1e-9)
 
 
-def test_packets_lost_on_the_way_count_as_sent_so_the_grant_does_not_shrink_with_loss():
-    lossless, lossy = Share(4), Share(4)
-    _feed(lossless, range(4), 10e6, 0.5)
-    _feed(lossy, range(4), 10e6, 0.5, loss_every=10)        # 10% never arrive
-    assert lossy.capacity == pytest.approx(lossless.capacity, rel=0.05)
+def test_windows_with_less_to_send_do_not_lower_the_capacity():
+    # a push phase fills the link, then a backward pass hands out gradients a few at a time
+    # (issue #11: the median of such windows was taken for the link, and the grant cut from it
+    # kept the next push phases at it)
+    s = Share(3)
+    end = _feed(s, range(3), 50e6 / 3, 0.3)
+    end = _feed(s, range(3), 1e6 / 3, 3.0, start=end)
+    assert s.capacity == pytest.approx(50e6, rel=0.05)
+    assert s.grant(end) == pytest.approx(share.gain(end) * 50e6 / 3, rel=0.05)
 
 
-def test_duplicates_and_late_packets_add_nothing():
-    s = Share(1)
-    for t in range(100):
-        s.on_packet(0, 1000, t * 1e-3, t + 1)
-        s.on_packet(0, 1000, t * 1e-3, t + 1)                # duplicate
-        if t > 2:
-            s.on_packet(0, 1000, t * 1e-3, t - 2)            # late
-    assert s.capacity == pytest.approx(1e6, rel=0.15)
+def test_grant_limited_senders_find_the_link_from_a_low_start_in_three_seconds():
+    # the job's first windows carry a trickle (measured: 0.5-2 MB/s on 12.5-50 MB/s links)
+    s = Share(3)
+    end = _feed(s, range(3), 2e6 / 3, 0.2)
+    assert s.grant(end) * 3 < 3e6
+    end, _ = _closed_loop(s, range(3), 50e6, 3.0, start=end)
+    assert s.capacity >= 0.95 * 50e6
 
 
-def test_a_batch_read_after_a_pause_does_not_set_the_capacity():
+@pytest.mark.parametrize("loss", [0.0, 0.01, 0.05])
+def test_on_a_full_link_with_random_loss_the_grants_settle_at_the_link_and_do_not_run_away(loss):
+    # with the skipped packet numbers counted as sent, the drops of the full queue raised the
+    # estimate: the grants settled at 1.4-1.6x the link in this loop; arrivals alone never
+    # exceed it, and the probe windows (gain > 1) keep it up under random loss
+    s = Share(4)
+    end, most = _closed_loop(s, range(4), 25e6, 4.0, loss=loss)
+    # (1.05: the simulation's half-millisecond steps make a window up to 5% short)
+    assert 0.95 * 25e6 <= s.capacity <= 25e6 * 1.05
+    assert most <= max(share.GAINS) * 25e6 * 1.05
+
+
+def test_the_gains_probe_and_drain_in_turn_and_average_one():
+    assert sum(share.GAINS) / len(share.GAINS) == pytest.approx(1.0)
+    assert max(share.GAINS) > 1 > min(share.GAINS)
+    # the probe's excess is drained by the next window, so a queue holds at most one probe's:
+    # 15% of a window (1.5 ms), under a 2 ms switch queue
+    assert (max(share.GAINS) - 1) * share.WINDOW <= 0.0015 + 1e-12
+    phases = [share.gain((i + 0.5) * share.WINDOW) for i in range(2 * len(share.GAINS))]
+    assert phases == list(share.GAINS) * 2
+
+
+def test_a_lone_burst_does_not_set_the_capacity():
     s = Share(1)
     end = _feed(s, [0], 10e6, 1.0)
-    for i in range(64):                        # a burst the socket buffer held: one instant
-        s.on_packet(0, 9000, end + 0.011, 10 ** 6 + i)
+    for _ in range(64):                        # a burst the socket buffer held: one instant
+        s.on_packet(0, 9000, end + 0.011)
+    _feed(s, [0], 10e6, 0.2, start=end + 0.012)
     assert s.capacity == pytest.approx(10e6, rel=0.05)
 
+
+@pytest.mark.parametrize("period,pause", [(17, 5), (23, 8), (23, 12)])
+def test_a_read_after_the_server_paused_counts_its_bytes_in_the_window_they_came_in(period,
+                                                                                     pause):
+    # the link delivers 20 MB/s; the server reads every 1 ms but pauses ``pause`` ms in every
+    # ``period`` (a busy CPU) and then reads the backlog at once: each window still holds what
+    # came within it (issue #11: a read after a pause that crossed a window's end counted the
+    # pause's bytes in the next window: here windows of 30-44 MB/s, and the capacity with them)
+    s = Share(1)
+    t, last = 0.0, 0.0
+    while t < 1.0:
+        t += 0.001
+        if 1 <= int(round(t * 1000)) % period <= pause:
+            continue                                    # paused: the socket keeps it
+        n = int(round((t - last) * 20e6 / 1000))        # what came since the last read
+        for _ in range(n):
+            s.on_packet(0, 1000, t)
+        last = t
+    assert s.capacity == pytest.approx(20e6, rel=0.1)
+
+
+def test_a_link_that_got_slower_is_found_after_the_horizon():
+    s = Share(2)
+    end = _feed(s, range(2), 25e6, 0.5)
+    end = _feed(s, range(2), 5e6, share.HORIZON + 0.1, start=end)
+    assert s.capacity == pytest.approx(10e6, rel=0.05)
+
+
+def test_kth_highest_ignores_the_k_minus_one_highest():
+    assert share.kth_highest([], 3) is None
+    assert share.kth_highest([5.0, 1.0], 3) == 1.0
+    assert share.kth_highest([9.0, 1.0, 7.0, 3.0, 8.0], 3) == 7.0

@@ -150,6 +150,8 @@ class PathRate:
         self._pacing = self._clamp(self._prior * (1 - PACING_MARGIN) if self._prior
                                    else STARTUP_GAIN * self._cwnd / DEFAULT_RTT)
         self._next_departure = now
+        self._wanted = self._pacing     # the model's own rate, before the ceiling (``cap``)
+        self._capped = False            # the ceiling holds pacing below it
         # counters (snapshot)
         self.sent_bytes = 0
         self.lost_bytes = 0
@@ -228,7 +230,7 @@ class PathRate:
             if self._idle:
                 self._restart_after_idle()
         self._idle = False
-        if app_limited:
+        if app_limited or self._capped:
             self._mark_app_limited()
         self._last_pn = pn
         self._out[pn] = (nbytes, now, self._delivered, self._delivered_time,
@@ -297,8 +299,15 @@ class PathRate:
 
     def cap(self, ceiling):
         """A rate ceiling (bytes/s) from outside the path's own model (the server's share,
-        ltp.share): pace at most this fast from now on, in every state."""
+        ltp.share): pace at most this fast from now on, in every state.  While it holds the
+        pacing below the model's own rate, the packets sent are marked app-limited: their
+        delivery samples measure the ceiling, not the path, so they may raise ``btl_bw`` but
+        never lower it (as Linux treats a sender held by the receiver's window).  Without that
+        the estimate fell to the ceiling within a window of round trips, and the sender needed
+        a probe cycle per 25% to climb back when the ceiling rose (issue #11: a server's grant
+        that rose from 3 to 9 MB/s met paths whose estimates had fallen to 2-4 MB/s)."""
         self.max_rate = max(float(ceiling), self.min_rate)
+        self._capped = self._wanted > self.max_rate
         if self._pacing > self.max_rate:
             self._pacing = self.max_rate
 
@@ -310,7 +319,8 @@ class PathRate:
             "pacing_rate": self._pacing, "cwnd": self.cwnd if not self._cwnd_open else None,
             "inflight": self._inflight, "round": self._round,
             "extra_acked": self.extra_acked(),
-            "app_limited": self._app_limited_until != 0, "sent_bytes": self.sent_bytes,
+            "app_limited": self._app_limited_until != 0, "capped": self._capped,
+            "sent_bytes": self.sent_bytes,
             "delivered_bytes": self._delivered, "lost_bytes": self.lost_bytes,
             "late_bytes": self.late_bytes, "ignored_acks": self.ignored_acks,
         }
@@ -362,7 +372,9 @@ class PathRate:
     def _restart_after_idle(self):
         self._idle_restart = True
         if self.state == PROBE_BW and self.btl_bw is not None:
-            self._pacing = self._clamp(self.btl_bw * (1 - PACING_MARGIN))
+            self._wanted = self.btl_bw * (1 - PACING_MARGIN)
+            self._capped = self._wanted > self.max_rate
+            self._pacing = self._clamp(self._wanted)
 
     def _update_rtt(self, rtt, now):
         """srtt and the min_rtt filter; True if min_rtt had gone unrefreshed for the window."""
@@ -522,6 +534,8 @@ class PathRate:
             rate = STARTUP_GAIN * self._cwnd / (self._srtt or DEFAULT_RTT)
         else:
             rate = self.pacing_gain * bw * (1 - PACING_MARGIN)
+        self._wanted = rate
+        self._capped = rate > self.max_rate
         rate = self._clamp(rate)
         if self._full_bw_reached or rate > self._pacing:
             self._pacing = rate      # STARTUP only ever speeds up

@@ -214,7 +214,7 @@ class Receiver:
         """A verified packet of ``nbytes``: counted, to be ACKed, handed on."""
         path.note(f.pn)
         path.acks.append(f.pn)
-        self.share.on_packet(f.worker, nbytes, now, f.pn)
+        self.share.on_packet(f.worker, nbytes, now)
         self._now = now
         touched.add(f.worker)
         self.counts["packets"] += 1
