@@ -21,6 +21,10 @@ runs native dist_sync and mxps side by side on an emulated heterogeneous network
     mxps plot --trace /tmp/trace [--around WALL_TIME] [--window 10] --out-dir plots/
     mxps plot --trace /tmp/trace --summary
 
+    mxps study noise --quick --out /tmp/noise-quick
+
+runs the label-noise scalability study (mxps_tools.study_noise, docs/NOISE.md).
+
 The command is never a parameter-server role, even when a job's ``DMLC_ROLE=server`` is in the
 shell: building the parser imports only the tools (``mxps_tools.bench`` and ``jobs``, which import
 no MXNet at import time), and a command that needs the runtime reaches it through
@@ -149,6 +153,12 @@ def main(argv=None):
                     help="with --trace: print the per-round, per-server table instead of "
                     "drawing")
     pl.add_argument("--out-dir", default=".")
+    st = sub.add_parser("study", help="studies that run real jobs (noise: label noise vs "
+                        "scalability)")
+    studies = st.add_subparsers(dest="study", required=True)
+    no = studies.add_parser("noise", help="label noise x consistency x workers (docs/NOISE.md)")
+    from . import study_noise
+    study_noise.add_arguments(no)
     args = p.parse_args(argv)
     if args.cmd == "launch":
         return cmd_launch(args)
@@ -158,6 +168,8 @@ def main(argv=None):
         return bench.main(args)
     if args.cmd == "plot":
         return cmd_plot(pl, args)
+    if args.cmd == "study":
+        return study_noise.run(no, args)
     return 2
 
 
