@@ -555,9 +555,12 @@ def run_study(out: str, specs: List[RunSpec], st: Settings, retry_failed: bool =
     return [done[s.name] for s in specs]
 
 
+def csv(kind):
+    """An argparse type: a comma-separated list of ``kind`` (shared by the studies)."""
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+
 def add_arguments(p: argparse.ArgumentParser):
-    def csv(kind):
-        return lambda text: [kind(x) for x in text.split(",") if x.strip()]
     d = Settings()
     p.add_argument("--out", required=True, help="directory of the study (resumed if present)")
     p.add_argument("--models", type=csv(str), default=list(MODELS),

@@ -44,10 +44,10 @@ import os
 import shutil
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional
 
 from . import jobs, noise
-from .study_ltp import StudyError, load_records, prepare
+from .study_ltp import StudyError, csv, load_records, prepare
 from .study_wsp import _stats, time_to
 
 CONSISTENCY = {"sync": "mxps", "async": "mxps_async", "wsp": "mxps_wsp"}
@@ -339,8 +339,6 @@ def run_study(out: str, specs: List[RunSpec], st: Settings, retry_failed: bool =
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    def csv(kind):
-        return lambda text: [kind(x) for x in text.split(",") if x.strip()]
     d = Settings()
     p.add_argument("--out", required=True, help="directory of the study (resumed if present)")
     p.add_argument("--quick", action="store_true",
