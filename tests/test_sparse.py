@@ -53,19 +53,50 @@ def test_rows_cut_along_any_slices_and_put_back_give_the_dense_array(case):
 
 
 @PROPS
-@given(st.lists(st.tuples(st.sets(st.integers(0, 30)), st.integers(1, 9)), max_size=5))
-def test_merge_sums_every_element_its_pushes_carry(pushes):
-    parts, want = [], np.zeros(31, np.float64)
+@given(tables())
+def test_a_slice_s_rows_padded_to_whole_rows_and_trimmed_give_back_its_values(case):
+    n_rows, cols, ids, values, slices = case
+    for lo, hi in slices:
+        sel, flat = sparse.cut(ids, values, cols, lo, hi)
+        rows = sparse.rows_in(sel, cols, lo, hi - lo)
+        assert rows.size == flat.size
+        block = sparse.padded(rows, flat)
+        assert block.shape == (sel.size, cols)
+        # each padded row is the table's row with its elements outside the slice zeroed
+        for i, r in enumerate(sel.tolist()):
+            for c in range(cols):
+                inside = lo <= r * cols + c < hi
+                want = values[np.searchsorted(ids, r), c] if inside else 0
+                assert block[i, c] == want
+        np.testing.assert_array_equal(sparse.trimmed(rows, block), flat)
+        np.testing.assert_array_equal(rows.positions(),
+                                      sparse.positions(sel, cols, lo, hi - lo))
+
+
+@PROPS
+@given(st.integers(1, 4), st.integers(0, 7), st.integers(1, 20),
+       st.lists(st.tuples(st.sets(st.integers(0, 11)), st.integers(1, 9)), min_size=1,
+                max_size=5))
+def test_merge_rows_sums_every_element_its_pushes_carry_in_push_order(cols, offset, length,
+                                                                      pushes):
+    n_rows = 12
+    length = min(length, n_rows * cols - offset)
+    if length <= 0:
+        return
+    table = np.zeros(n_rows * cols, np.float64)
+    first, last = offset // cols, (offset + length - 1) // cols
+    parts = []
     for rows, v in pushes:
-        pos = np.array(sorted(rows), np.int64)
-        vals = np.full(pos.size, float(v))
-        parts.append((pos, vals))
-        want[pos] += v
-    pos, summed = sparse.merge(parts)
-    touched = sorted(set().union(*[r for r, _ in pushes])) if pushes else []
-    assert pos.tolist() == touched
-    if touched:
-        np.testing.assert_array_equal(summed, want[pos])
+        ids = np.array(sorted(r for r in rows if first <= r <= last), np.int64)
+        rs = sparse.rows_in(ids, cols, offset, length)
+        flat = np.full(rs.size, float(v)) * (1 + np.arange(rs.size))
+        parts.append((rs, sparse.padded(rs, flat)))
+        table[offset:offset + length][rs.positions()] += flat
+    rows, block = sparse.merge_rows(parts)
+    touched = sorted(set().union(*[set(p[0].ids.tolist()) for p in parts]))
+    assert rows.ids.tolist() == touched
+    np.testing.assert_array_equal(sparse.trimmed(rows, block),
+                                  table[offset:offset + length][rows.positions()])
 
 
 def test_bad_row_ids_are_refused_by_name():
@@ -75,6 +106,8 @@ def test_bad_row_ids_are_refused_by_name():
         sparse.check_ids(np.array([1, 5], np.int64), 5, "key 1")
     with pytest.raises(ValueError, match="row 0 .* has no element in the slice"):
         sparse.positions(np.array([0], np.int64), 2, 4, 4)
+    with pytest.raises(ValueError, match="row 4 .* has no element in the slice"):
+        sparse.rows_in(np.array([2, 4], np.int64), 2, 4, 4)
 
 
 # --------------------------------------------------------------------------- the server

@@ -242,7 +242,7 @@ class _Round:
     def __init__(self, acc, acc_nd, parts=None):
         self.acc = acc            # numpy view of the sum
         self.acc_nd = acc_nd      # the NDArray behind it (update on servers), or None
-        self.parts = parts        # a row-sparse round: its pushes' (positions, values)
+        self.parts = parts        # a row-sparse round: its pushes' (RowSet, padded block)
         self.scale = 1.0          # WSP: W / gradients
         self.pushes = 0           # WSP: gradients in it (a late worker's can be two)
         self.senders = set()
@@ -324,8 +324,8 @@ class _Slot:
         self.store = store              # a MemorySlice
         self.applied = 0                # rounds completed
         self.rounds = {}                # round -> _Round
-        self.waiting = []               # (client, header, positions or None) pulls waiting for
-                                        # a later round (positions: a PULL_ROWS's elements)
+        self.waiting = []               # (client, header, RowSet or None) pulls waiting for
+                                        # a later round (RowSet: a PULL_ROWS)
         self.spans = ltp_close.Deadline()           # LTP: recent rounds' spans, backoff
         self.wsp = None                 # MXPS_MODE=wsp: the slice's wsp.SliceWsp
         self.cols = 0                   # the key's row width (INIT), 0: unknown
@@ -624,16 +624,16 @@ class ServerState:
         self._reply(client, header, MsgType.ERROR, message.encode(), dtype=wire.NO_DTYPE,
                     length=0)
 
-    def _send_value(self, client, header, slot, pos=None):
+    def _send_value(self, client, header, slot, rows=None):
         if self.wsp is not None and 0 <= header.sender < self.num_workers:
             clock = self.wsp.clock
             self._wsp_of(slot).received(header.sender, slot.applied, clock() if clock else None)
         if self._trace is not None:
             self._data_row("pull_answered", slot, header.iteration, header.sender,
                            slot.store.snapshot.nbytes, header.request_id)
-        if pos is not None:        # a PULL_ROWS: those elements, in the order of its rows
-            self._reply(client, header, MsgType.DATA, slot.store.read(pos),
-                        dtype=slot.dtype_code, offset=slot.offset, length=int(pos.size))
+        if rows is not None:       # a PULL_ROWS: its rows' elements in the slice, in order
+            self._reply(client, header, MsgType.DATA, slot.store.read(rows),
+                        dtype=slot.dtype_code, offset=slot.offset, length=int(rows.size))
             return
         self._reply(client, header, MsgType.DATA, slot.store.snapshot, dtype=slot.dtype_code,
                     offset=slot.offset, length=slot.length)
@@ -966,11 +966,12 @@ class ServerState:
             self._apply(slot, nxt)
             slot.applied += 1
             if self._trace is not None:
-                self._data_row("round_complete", slot, slot.applied, -1, nxt.acc.nbytes)
+                self._data_row("round_complete", slot, slot.applied, -1,
+                               0 if nxt.acc is None else nxt.acc.nbytes)
 
     def _new_round(self, slot, grad):
         """A round whose first push is ``grad``: a dense array (copied into a fresh sum) or a
-        row-sparse push's (positions, values)."""
+        row-sparse push's (RowSet, padded block)."""
         if isinstance(grad, tuple):
             return _Round(None, None, [grad])
         rnd = _Round(*slot.store.accumulator(grad, self.updater is not None))
@@ -1028,20 +1029,23 @@ class ServerState:
         """A row-sparse round, as MXNet's lazy update: the pushed elements' sum, the optimizer
         run on those elements only (weights and state gathered, updated, put back); the
         others do not change.  The key's update count advances as for any round."""
-        pos, grad = sparse.merge(rnd.parts)
+        rows, block = sparse.merge_rows(rnd.parts)
+        rnd.parts = None
         updater, store = self.updater, slot.store
         opt = updater.optimizer
         if slot.index != slot.key and slot.index not in self._aliased:
             self._alias(slot)
-        if pos.size == 0:
+        if rows.size == 0:
             opt._update_count(slot.index)
         elif isinstance(store, DiskSlice):
             if rnd.scale != 1.0:
-                grad = grad * grad.dtype.type(rnd.scale)
-            store.apply_rows(opt, slot.index, pos, grad, self._template(slot.index,
-                                                                       grad.dtype)[0])
+                block = block * block.dtype.type(rnd.scale)
+            store.apply_rows(opt, slot.index, rows, block, self._template(slot.index,
+                                                                         block.dtype)[0])
             return
         else:
+            pos = rows.positions()
+            grad = sparse.trimmed(rows, block)
             if rnd.scale != 1.0:
                 grad = grad * grad.dtype.type(rnd.scale)
             if slot.index not in updater.states:
@@ -1077,8 +1081,9 @@ class ServerState:
             raise RequestError("key %d: row-sparse pushes with optimizer %s are not supported "
                                "(supported: %s)" % (h.key, name,
                                                     ", ".join(sparse.LAZY_OPTIMIZERS)))
-        pos, values = self._read_rows(h, payload, slot, with_values=True)
-        grad = (pos, np.array(values, dtype=wire.dtype_of(slot.dtype_code)))
+        rows, values = self._read_rows(h, payload, slot, with_values=True)
+        grad = (rows, sparse.padded(rows, np.array(values, dtype=wire.dtype_of(
+            slot.dtype_code))))
         if not self.sync:
             rnd = _Round(None, None, [grad])
             self._apply(slot, rnd)
@@ -1093,15 +1098,15 @@ class ServerState:
     def _on_pull_rows(self, client, h, payload):
         """A pull of some rows: answered, like a pull, once its round is complete."""
         slot = self._slot_for(h)
-        pos, _ = self._read_rows(h, payload, slot, with_values=False)
+        rows, _ = self._read_rows(h, payload, slot, with_values=False)
         if not self.sync or self._pull_ready(slot, h):
-            self._send_value(client, h, slot, pos)
+            self._send_value(client, h, slot, rows)
         else:
-            slot.waiting.append((client, h, pos))
+            slot.waiting.append((client, h, rows))
 
     def _read_rows(self, h, payload, slot, with_values):
-        """The typed payload of PUSH_ROWS / PULL_ROWS: the rows' element positions in the
-        slice (and the values); a bad one raises RequestError naming the key."""
+        """The typed payload of PUSH_ROWS / PULL_ROWS: the rows inside the slice (a
+        ``sparse.RowSet``) and the values; a bad one raises RequestError naming the key."""
         what = "key %d: %s" % (h.key, MsgType(h.type).name)
         try:
             body = typed.unpack(payload)
@@ -1115,7 +1120,7 @@ class ServerState:
             if not isinstance(ids, np.ndarray) or ids.dtype != np.int64:
                 raise ValueError("ids must be an int64 array")
             sparse.check_ids(ids, -(-(slot.offset + slot.length) // cols), what)
-            pos = sparse.positions(ids, cols, slot.offset, slot.length)
+            rows = sparse.rows_in(ids, cols, slot.offset, slot.length)
             values = None
             if with_values:
                 values = body["values"]
@@ -1123,14 +1128,14 @@ class ServerState:
                         values.dtype != wire.dtype_of(slot.dtype_code):
                     raise ValueError("values must be a flat %s array"
                                      % wire.dtype_of(slot.dtype_code))
-                if values.size != pos.size:
+                if values.size != rows.size:
                     raise ValueError("%d values for the %d elements of %d rows in the slice"
-                                     % (values.size, pos.size, ids.size))
+                                     % (values.size, rows.size, ids.size))
         except (ValueError, wire.WireError) as e:
             msg = str(e)
             raise RequestError(msg if msg.startswith(what) else "%s: %s" % (what, msg)) \
                 from None
-        return pos, values
+        return rows, values
 
     def _pull_ready(self, slot, h):
         """Whether a sync pull can be answered now: its round is complete (WSP: the round the
@@ -1154,12 +1159,12 @@ class ServerState:
             return
         still = []
         answered = False
-        for client, h, pos in slot.waiting:
+        for client, h, rows in slot.waiting:
             if self._pull_ready(slot, h):
-                self._send_value(client, h, slot, pos)
+                self._send_value(client, h, slot, rows)
                 answered = True
             else:
-                still.append((client, h, pos))
+                still.append((client, h, rows))
         slot.waiting = still
         if answered and self.wsp is not None:
             # a worker's newer value can lift the staleness bound of the next round

@@ -14,6 +14,8 @@ A server applies a sparse round as MXNet's lazy update does: only the elements o
 some worker pushed change, weights and optimizer state alike; every supported optimizer is
 elementwise, so it runs on the gathered elements as a flat vector.
 """
+from collections import namedtuple
+
 import numpy as np
 
 #: Optimizers whose update is elementwise and whose MXNet update has a lazy (row-sparse) form;
@@ -48,6 +50,85 @@ def cut(ids, values, cols, lo, hi):
     return sel, flat[head:flat.size - tail]
 
 
+class RowSet(namedtuple("RowSet", "ids cols offset length")):
+    """The rows of a sparse push or pull inside the slice [offset, offset + length): sorted
+    distinct global row ids of ``cols`` elements each.  The first row's ``head`` elements and
+    the last row's ``tail`` lie outside the slice; ``size`` elements lie inside, and travel
+    flat in ``cut``'s order.  Servers work on whole rows (``padded``, ``trimmed``), so a round
+    costs memory per row, not per element (docs/SPARSE.md)."""
+
+    __slots__ = ()
+
+    @property
+    def head(self):
+        return max(0, self.offset - int(self.ids[0]) * self.cols) if self.ids.size else 0
+
+    @property
+    def tail(self):
+        if not self.ids.size:
+            return 0
+        return max(0, (int(self.ids[-1]) + 1) * self.cols - self.offset - self.length)
+
+    @property
+    def size(self):
+        return self.ids.size * self.cols - self.head - self.tail
+
+    def positions(self):
+        """The element positions inside the slice, per element (``positions``)."""
+        return positions(self.ids, self.cols, self.offset, self.length)
+
+
+def rows_in(ids, cols, offset, length):
+    """``ids`` as a RowSet of the slice [offset, offset + length); raises ValueError when a row
+    misses the slice (the same check as ``positions``, per row)."""
+    if cols <= 0:
+        raise ValueError("rows need at least one element, got cols=%d" % cols)
+    ids = np.asarray(ids, np.int64)
+    if ids.size:
+        starts = ids * cols - offset
+        bad = (starts + cols <= 0) | (starts >= length)
+        if bad.any():
+            raise ValueError("row %d (%d elements per row) has no element in the slice [%d, %d)"
+                             % (int(ids[np.argmax(bad)]), cols, offset, offset + length))
+    return RowSet(ids, int(cols), int(offset), int(length))
+
+
+def padded(rows, flat):
+    """Flat values in ``cut``'s order as a (rows, cols) block, zeros outside the slice (a view
+    of ``flat`` when no row is cut)."""
+    head, tail, k = rows.head, rows.tail, rows.ids.size
+    if flat.size != rows.size:
+        raise ValueError("%d values for the %d elements of %d rows in the slice"
+                         % (flat.size, rows.size, k))
+    if not head and not tail:
+        return flat.reshape(k, rows.cols)
+    block = np.zeros(k * rows.cols, flat.dtype)
+    block[head:block.size - tail] = flat
+    return block.reshape(k, rows.cols)
+
+
+def trimmed(rows, block):
+    """``padded``'s inverse: the block's elements inside the slice, flat (a view)."""
+    flat = block.reshape(-1)
+    return flat[rows.head:flat.size - rows.tail]
+
+
+def merge_rows(parts):
+    """The sum of a round's sparse pushes, row by row: ``parts`` a list of (RowSet, block) of
+    one slice; returns (RowSet of the union of their rows, summed block).  Every element is
+    summed in push order (deterministic, as ``merge``); memory: the union's block and one id
+    per row, nothing per element."""
+    first = parts[0][0]
+    if len(parts) == 1:
+        return parts[0]
+    union = np.unique(np.concatenate([r.ids for r, _ in parts]))
+    block = np.zeros((union.size, first.cols), parts[0][1].dtype)
+    for rows, values in parts:
+        if rows.ids.size:
+            block[np.searchsorted(union, rows.ids)] += values
+    return RowSet(union, first.cols, first.offset, first.length), block
+
+
 def positions(ids, cols, offset, length):
     """Element positions inside the slice [offset, offset + length) of the rows ``ids`` (the
     order ``cut`` gives their values in); raises ValueError when a row misses the slice."""
@@ -67,23 +148,6 @@ def positions(ids, cols, offset, length):
     # positions: lo[i] + 0..counts[i]-1, concatenated, without a Python loop
     base = np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
     return base + np.arange(total, dtype=np.int64)
-
-
-def merge(parts):
-    """The sum of a round's sparse pushes: ``parts`` a list of (positions, values) (each
-    positions array distinct); returns (sorted distinct positions, summed values).  Sums in
-    push order for every element (deterministic)."""
-    if not parts:
-        return np.zeros(0, np.int64), None
-    pos = np.concatenate([p for p, _ in parts])
-    vals = np.concatenate([v for _, v in parts])
-    order = np.argsort(pos, kind="stable")
-    pos, vals = pos[order], vals[order]
-    if pos.size == 0:
-        return pos, vals
-    starts = np.flatnonzero(np.concatenate(([True], pos[1:] != pos[:-1])))
-    summed = np.add.reduceat(vals, starts) if starts.size != pos.size else vals
-    return pos[starts], summed
 
 
 def state_arrays(state):

@@ -16,6 +16,7 @@ some elements), and take an update-on-workers sum as its value.  Each runs the o
 import mxnet as mx
 import numpy as np
 
+from ..adapter.ndview import numpy_view
 from ..roles import sparse
 from .rows import DiskRows, MemoryRows, RowLayout
 
@@ -37,13 +38,28 @@ def state_template(optimizer, index, dtype):
 
 def step(optimizer, index, w, g, states, template):
     """One optimizer update of flat numpy ``w`` (weights) with gradient ``g`` and ``states``
-    (flat numpy arrays in the order of ``template``'s arrays); returns the new (w, states)."""
+    (flat numpy arrays in the order of ``template``'s arrays); returns the new (w, states):
+    numpy views of the NDArrays the optimizer updated (one copy of each input, none back)."""
     dtype = w.dtype
     w_nd = mx.nd.array(w, dtype=dtype)
     g_nd = mx.nd.array(g, dtype=dtype)
     s_nd = sparse.like_state(template, [mx.nd.array(s, dtype=s.dtype) for s in states])
     optimizer.update_multi_precision(index, w_nd, g_nd, s_nd)
-    return w_nd.asnumpy(), [a.asnumpy() for a in sparse.state_arrays(s_nd)]
+    out = [w_nd] + sparse.state_arrays(s_nd)
+    for a in out:
+        a.wait_to_read()
+    views = [_held_view(a) for a in out]
+    return views[0], views[1:]
+
+
+class _Held(np.ndarray):
+    """A numpy view that keeps its NDArray alive."""
+
+
+def _held_view(nd):
+    v = numpy_view(nd).view(_Held)
+    v.nd = nd
+    return v
 
 
 def geometry(offset, length, cols):
@@ -114,10 +130,20 @@ class DiskSlice:
         """The slice's served value (a fresh array): every row read."""
         return self.rows.read(self.all_rows).reshape(-1)[self.lo:self.hi].copy()
 
-    def read(self, pos):
-        """The served values at slice positions ``pos`` (a PULL_ROWS)."""
-        rows, flat = self._locate(pos)
-        return self.rows.read(rows).reshape(-1)[flat]
+    def _table_rows(self, rows):
+        """The table rows of a ``sparse.RowSet`` of this slice, or None when the table's rows
+        are not the key's (a 1-D key's pages)."""
+        if rows.cols != self.cols or rows.offset != self.offset:
+            return None
+        return rows.ids - self.base // self.cols
+
+    def read(self, rows):
+        """The served values of ``rows`` (a ``sparse.RowSet``: a PULL_ROWS), in order."""
+        t = self._table_rows(rows)
+        if t is None:
+            t, flat = self._locate(rows.positions())
+            return self.rows.read(t).reshape(-1)[flat]
+        return np.ascontiguousarray(sparse.trimmed(rows, self.rows.read(t)))
 
     def accumulator(self, like, for_optimizer):
         return np.empty(self.length, self.dtype), None
@@ -141,8 +167,21 @@ class DiskSlice:
             s.reshape(-1)[sl] = n
         self.rows.scatter(self.all_rows, w, states)
 
-    def apply_rows(self, optimizer, index, pos, grad, template):
-        """A row-sparse round: ``grad`` at slice positions ``pos`` (sorted, distinct)."""
+    def apply_rows(self, optimizer, index, rows, block, template):
+        """A row-sparse round: the summed ``block`` (``sparse.padded``) of ``rows`` (a
+        ``sparse.RowSet``).  Whole rows are updated, weights and state alike: their elements
+        outside the slice get a zero gradient but are never served (each slice serves its
+        own), so no per-element index is made."""
+        t = self._table_rows(rows)
+        if t is not None:
+            w, states = self.rows.gather(t)
+            shape = w.shape
+            new_w, new_s = step(optimizer, index, w.reshape(-1), block.reshape(-1),
+                                [s.reshape(-1) for s in states], template)
+            del w, states
+            self.rows.scatter(t, new_w.reshape(shape), [n.reshape(shape) for n in new_s])
+            return
+        pos, grad = rows.positions(), sparse.trimmed(rows, block)
         rows, flat = self._locate(pos)
         w, states = self.rows.gather(rows)
         new_w, new_s = step(optimizer, index, w.reshape(-1)[flat], grad,

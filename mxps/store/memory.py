@@ -49,9 +49,9 @@ class MemorySlice:
         reply may still be reading the last value while the weights change) a copy."""
         self.snapshot = self.weight.copy() if copy else self.weight
 
-    def read(self, pos):
-        """The served elements at slice positions ``pos`` (a PULL_ROWS)."""
-        return self.snapshot[pos]
+    def read(self, rows):
+        """The served elements of ``rows`` (a ``sparse.RowSet``: a PULL_ROWS)."""
+        return self.snapshot[rows.positions()]
 
     def cut(self, lo, hi):
         """A copy of the served elements [lo, hi) (slice coordinates)."""
