@@ -83,7 +83,8 @@ def run_one(store, rep, a):
            "DRPS_STEPS": a.steps, "DRPS_WARMUP": a.warmup, "DRPS_BATCH": a.batch,
            "DRPS_FIELDS": a.fields, "DRPS_ZIPF": a.zipf, "DRPS_IDS": a.ids,
            "DRPS_MOMENTUM": a.momentum, "DRPS_SEED": rep,
-           "MXPS_METRICS": os.path.join(run_dir, "metrics"), "MXPS_TIMEOUT": 600}
+           "MXPS_METRICS": os.path.join(run_dir, "metrics"), "MXPS_TIMEOUT": 600,
+           "DRPS_MEMLOG": os.path.join(run_dir, "memory")}
     store_dir = cgroups = None
     if store == "disk":
         store_dir = tempfile.mkdtemp(prefix="drps-store-", dir=a.store_root)

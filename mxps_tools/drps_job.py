@@ -37,7 +37,45 @@ def join_cgroup():
         f.write(str(os.getpid()))
 
 
+def memory_log():
+    """DRPS_MEMLOG (a path prefix): a server node writes, every second, its memory as the
+    kernel and glibc see it to ``<prefix>-<pid>.jsonl``: RSS split into anonymous and file
+    pages (/proc/self/status), and glibc's mallinfo2 (``heap``: the main arena's size,
+    ``mmapped``: bytes in mmap'd chunks, ``in_use``, ``free``: free bytes the heap keeps)."""
+    prefix = os.environ.get("DRPS_MEMLOG")
+    if not prefix or os.environ.get("DMLC_ROLE") != "server":
+        return
+    import ctypes
+    import threading
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                                                    "hblkhd", "usmblks", "fsmblks",
+                                                    "uordblks", "fordblks", "keepcost")]
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    path = "%s-%d.jsonl" % (prefix, os.getpid())
+
+    def loop():
+        t0 = time.time()
+        while True:
+            row = {"t": round(time.time() - t0, 2)}
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(("VmRSS", "RssAnon", "RssFile")):
+                        k, v = line.split(":")
+                        row[k] = int(v.split()[0]) // 1024
+            m = libc.mallinfo2()
+            row.update(heap=m.arena >> 20, mmapped=m.hblkhd >> 20, in_use=m.uordblks >> 20,
+                       free=m.fordblks >> 20)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            time.sleep(1.0)
+    threading.Thread(target=loop, daemon=True).start()
+
+
 join_cgroup()
+memory_log()
 KVSTORE = os.environ.get("DRPS_KVSTORE", "mxps")
 if KVSTORE.startswith("mxps"):
     import mxps
