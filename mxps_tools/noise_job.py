@@ -49,7 +49,9 @@ import time
 
 _p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _p.add_argument("--out", required=True)
-_p.add_argument("--kvstore", default="mxps", choices=("mxps", "mxps_async", "mxps_wsp"))
+_p.add_argument("--kvstore", default="mxps",
+                choices=("mxps", "mxps_async", "mxps_wsp", "dist_sync", "dist_async"),
+                help="dist_sync / dist_async: native MXNet, for comparison (mxps not imported)")
 _p.add_argument("--dataset", default="digits")
 _p.add_argument("--data-root", default=None)
 _p.add_argument("--limit", type=int, default=0, help="first N training and test samples")
@@ -66,7 +68,8 @@ _p.add_argument("--momentum", type=float, default=0.9)
 _p.add_argument("--sync-every", type=int, default=1)
 ARGS = _p.parse_args()
 
-import mxps  # noqa: F401,E402  (must precede mxnet: takes over server/scheduler roles)
+if ARGS.kvstore.startswith("mxps"):
+    import mxps  # noqa: F401,E402  (must precede mxnet: takes over server/scheduler roles)
 
 import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402

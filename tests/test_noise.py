@@ -255,3 +255,35 @@ def test_averaging_every_4_steps_ends_with_identical_workers_and_moves_fewer_byt
             digests.add(json.load(f)["weights_sha256"])
     assert len(digests) == 1
     assert 0 < r["bytes_moved"] < recs[1]["bytes_moved"] / 2
+
+
+def test_a_mnist_cell_in_mxnets_layout_trains_squeezenet_from_the_local_files(tmp_path):
+    """The image path of the study (MNIST files present locally, SqueezeNet 1.1 from scratch):
+    a tiny MNIST in MXNet's layout whose classes differ by where a bright square sits, 2
+    workers, 1 epoch; the run completes with a synchronous pair of identical models."""
+    root = str(tmp_path / "data")
+    os.makedirs(os.path.join(root, "mnist"))
+    rng = np.random.RandomState(3)
+
+    def images(n):
+        y = rng.randint(0, 10, size=n)
+        x = rng.randint(0, 40, size=(n, 28, 28))
+        for i, c in enumerate(y):
+            r, q = divmod(int(c), 5)
+            x[i, 4 + 10 * r:10 + 10 * r, 1 + 5 * q:5 + 5 * q] = 255
+        return x, y
+    (xt, yt), (xs, ys) = images(128), images(32)
+    for name, arr in zip(noise.MNIST_FILES, [xt, yt, xs, ys]):
+        _idx(os.path.join(root, "mnist", name), arr)
+    out = str(tmp_path / "study")
+    code = study_noise.main(["--out", out, "--datasets", "mnist", "--data-root", root,
+                             "--kinds", "random", "--ratios", "10", "--consistency", "sync",
+                             "--workers", "2", "--seeds", "1", "--epochs", "1", "--no-plot",
+                             "--timeout", "300"])
+    recs = study_noise.load_records(os.path.join(out, "runs.jsonl"))
+    assert code == 0, [r.get("error") for r in recs]
+    (r,) = recs
+    assert r["dataset"] == "mnist" and r["model"] == "squeezenet"
+    assert len(r["curve"]) == 1 and 0 <= r["final"] <= 1 and r["steps"] > 0
+    assert r["changed_labels"] == noise.count(0.1, len(yt))     # random: a ratio of all labels
+    assert os.path.exists(os.path.join(out, "mnist.md"))

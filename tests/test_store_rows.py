@@ -182,6 +182,25 @@ def test_resume_after_flush_gives_exactly_the_flushed_rows_and_states_and_writes
     assert sorted(os.listdir(tmp_path)) == ["t.manifest.json", "t.meta.2", "t.rows"]
 
 
+def test_a_flush_writes_a_big_cache_in_bounded_batches_and_resumes_exactly(tmp_path, layout,
+                                                                          monkeypatch):
+    from mxps.store import rows as rows_mod
+    monkeypatch.setattr(rows_mod, "FLUSH_BYTES", 3 * layout.record_bytes)
+    ref = MemoryRows(layout)
+    disk = DiskRows(layout, tmp_path, "t", layout.cache_bytes(layout.n_rows))   # all cached
+    rows = np.arange(0, 40, 3)
+    fill(disk, rows, 1)
+    fill(ref, rows, 1)
+    batches = []
+    store = disk._store
+    monkeypatch.setattr(disk, "_store", lambda r, recs: (batches.append(len(r)), store(r, recs)))
+    disk.flush(3)
+    assert sum(batches) == len(rows) and max(batches) == 3
+    disk.close()
+    disk = DiskRows(layout, tmp_path, "t", tiny(layout, 2), resume=True)
+    same(all_rows(disk), all_rows(ref))
+
+
 def test_a_meta_file_left_by_a_flush_cut_short_is_removed_at_resume(tmp_path, layout):
     flushed_store(tmp_path, layout)
     (tmp_path / "t.meta.2").write_bytes(b"written, but the manifest never named it")

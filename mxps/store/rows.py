@@ -28,6 +28,7 @@ VERIFY_READ = 8 * BLOCK_BYTES  # bytes per read when checking blocks
 # about twice as much and dirties (so writes back) the whole folio; 64 KiB runs keep folios
 # small (docs/STORE.md).
 MAX_WRITE = 64 << 10
+FLUSH_BYTES = 8 << 20         # records copied per write batch of a flush
 DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -348,12 +349,17 @@ class CachedRows:
         self._codes[rows] = np.where(self._codes[rows] >= 0, self._codes[rows], ON_DISK)
 
     def _write_dirty(self):
-        """Every dirty cached row to the engine, in one sorted batch; the cache stays."""
+        """Every dirty cached row to the engine, in sorted batches of at most FLUSH_BYTES of
+        records (a flush of a full cache would otherwise copy all of it at once: +250 MB of
+        RSS per server in the DRPS bench); the cache stays."""
         slots = np.flatnonzero(self._dirty[:self._used])
         if len(slots):
             rows = self._row_of[slots]
             order = np.argsort(rows)
-            self._write(rows[order], self._slab[slots[order]])
+            rows, slots = rows[order], slots[order]
+            per = max(1, FLUSH_BYTES // self.layout.record_bytes)
+            for a in range(0, len(rows), per):
+                self._write(rows[a:a + per], self._slab[slots[a:a + per]])
             self._dirty[slots] = False
 
     def _drop_cache(self):
