@@ -33,6 +33,7 @@ from hypothesis import given, settings, strategies as st
 import cluster
 from cluster import assert_synchronised, assert_weights_close, load_weights, train_env
 from mxps.ltp import packet as pk
+from mxps.ltp import close as close_rule
 from mxps.ltp.close import deadline_for
 from mxps.ltp.receiver import Receiver
 from mxps.ltp.rounds import FILLS, RESCALE, ZERO, LtpRound
@@ -594,6 +595,38 @@ def test_a_round_closes_by_ratio_as_soon_as_every_worker_reached_it():
     # late packets of the closed round are dropped and counted
     feed(s, [p1[half]], clock)
     assert s.ltp_stats["drop_late"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]), st.integers(0, 2 ** 31),
+       st.floats(0.0, 0.4))
+def test_a_round_closes_at_exactly_the_packet_after_which_the_rule_says_so(workers, ratio,
+                                                                           seed, loss):
+    """The server looks at the Early Close rule only at the packets that can change its
+    answer (a worker first heard, or its part at the lowest acceptance ratio); it must close
+    at the same packet as a look after every packet would (no deadline, no ENDs)."""
+    rng = random.Random(seed)
+    s = ltp_server(workers, ratio=ratio, deadline=0.0, loss=lambda: [0.0] * workers)
+    grads = [np.full(N, w + 1.0, np.float32) for w in range(workers)]
+    data = []
+    for w, g in enumerate(grads):
+        pkts, _ = push_packets(g, w, 1)
+        data += [p for q, p in pkts.items() if rng.random() >= loss]
+    rng.shuffle(data)
+    st_ = s.ltp
+    lowest = ratio if ratio > 0 else close_rule.acceptance_ratio(NP, 0.0, st_.z, st_.floor)
+    received = [0] * workers
+    want = None
+    for i, (f, _) in enumerate(data):
+        received[f.worker] += 1
+        if want is None and all(r * (1 + 1e-12) >= lowest * NP for r in received):
+            want = i
+    clock = Clock()
+    for i, (f, payload) in enumerate(data):
+        s.on_packet(f, payload, clock())
+        assert s.slots[(KEY, 0)].applied == (1 if want is not None and i >= want else 0), i
+    if want is None:
+        assert s.ltp_stats["rounds"] == 0
 
 
 def test_a_silent_worker_holds_the_round_open_whatever_the_deadline():

@@ -1253,11 +1253,12 @@ class ServerState:
                     self._data_row("packet_added", slot, f.round, f.worker, payload.nbytes,
                                    f.seq)
                 # the rule can only change its answer when a worker is first heard (the
-                # deadline starts) or its part reaches the lowest acceptance ratio there is:
-                # below that a packet needs no look (measured: the look is a quarter of a
-                # packet's server time at MTU 1500)
-                if not first and lt.received[f.worker] < self.ltp.floor * lt.n and \
-                        self.ltp.ratio <= 0:
+                # deadline starts) or its part reaches the lowest acceptance ratio there is
+                # (the fixed ratio, or the adaptive rule's floor): below that a packet needs
+                # no look (measured: the look is a quarter of a packet's server time at MTU
+                # 1500); deadlines and grace are the wakes' business
+                lowest = self.ltp.ratio if self.ltp.ratio > 0 else self.ltp.floor
+                if not first and lt.received[f.worker] < lowest * lt.n:
                     return
             else:
                 lt.end(f.worker, f.seq, now)
