@@ -372,3 +372,63 @@ def open_batch(view, Py_ssize_t slot_size, list got, list paths, itemsize_of):
         return out
     finally:
         PyBuffer_Release(&buf)
+
+
+from .accum import add_into as _add_into
+
+DEF _F32 = 0
+DEF _F64 = 1
+
+
+def round_add(acc, unsigned short[::1] counts, unsigned char[::1] seen, Py_ssize_t seq,
+              Py_ssize_t epp, Py_ssize_t count, payload, int dtype_code):
+    """One worker's DATA packet into a round's accumulator: the twin's ``round_add``, float32
+    and float64 summed here, other dtypes by ``kernels.accum.add_into``."""
+    cdef Py_ssize_t n = counts.shape[0], length = acc.size, want, i, lo
+    cdef Py_buffer a, b
+    cdef float *af
+    cdef const float *bf
+    cdef double *ad
+    cdef const double *bd
+    if seq < 0 or seq >= n:
+        _twin.check_round_add(n, length, seq, epp, count)          # raises, naming the packet
+    want = min(epp, length - seq * epp)
+    if count != want:
+        _twin.check_round_add(n, length, seq, epp, count)
+    if seen.shape[0] < n:
+        raise ValueError("round_add: %d seen flags for %d packets" % (seen.shape[0], n))
+    if seen[seq]:
+        return False
+    lo = seq * epp
+    if dtype_code == _F32 or dtype_code == _F64:
+        PyObject_GetBuffer(acc, &a, PyBUF_WRITABLE)
+        try:
+            PyObject_GetBuffer(payload, &b, PyBUF_SIMPLE)
+            try:
+                if dtype_code == _F32:
+                    if a.len != length * 4 or b.len != count * 4:
+                        raise ValueError("round_add: %d accumulator and %d payload bytes for "
+                                         "%d and %d float32" % (a.len, b.len, length, count))
+                    af = (<float *> a.buf) + lo
+                    bf = <const float *> b.buf
+                    with nogil:
+                        for i in range(count):
+                            af[i] += bf[i]
+                else:
+                    if a.len != length * 8 or b.len != count * 8:
+                        raise ValueError("round_add: %d accumulator and %d payload bytes for "
+                                         "%d and %d float64" % (a.len, b.len, length, count))
+                    ad = (<double *> a.buf) + lo
+                    bd = <const double *> b.buf
+                    with nogil:
+                        for i in range(count):
+                            ad[i] += bd[i]
+            finally:
+                PyBuffer_Release(&b)
+        finally:
+            PyBuffer_Release(&a)
+    else:
+        _add_into(acc[lo:lo + count], payload, dtype_code)
+    seen[seq] = 1
+    counts[seq] += 1
+    return True

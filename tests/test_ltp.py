@@ -296,6 +296,7 @@ def test_a_packet_that_does_not_fit_the_slices_cut_raises_and_changes_nothing(se
     with pytest.raises(ValueError):
         rnd.add(0, seq, count, np.ones(max(count, 0), np.float32).tobytes(), 1.0)
     assert not rnd.acc.any() and not rnd.counts.any() and rnd.heard == [None, None]
+    assert rnd.seen == [None, None]          # a whole TCP push of worker 0 is still welcome
     with pytest.raises(ValueError, match="filling"):
         rnd.fill("average")
 

@@ -296,6 +296,38 @@ def test_a_wrong_ring_or_socket_is_refused_by_both_naming_it_before_anything_is_
     assert read_all(ltp_py, rx, 1)[0] == [(7, tx.getsockname(), b"keep me")]
 
 
+# --- round_add: a packet into a round's sum ----------------------------------------------------
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([np.float32, np.float64, np.float16, np.int32]), st.integers(1, 40),
+       st.integers(1, 9), st.lists(st.tuples(st.integers(-2, 12), st.integers(0, 3)),
+                                   max_size=30))
+def test_round_add_sums_counts_and_refuses_exactly_as_its_twin(dtype, length, epp, packets):
+    """The compiled round_add and its twin: same sums (bit for bit), counts, seen flags,
+    duplicate answers and refusals, for any sequence of packets of a few workers, the
+    out-of-range and miscounted ones included."""
+    n = -(-length // epp)
+    state = {}
+    for impl in (_ltp, ltp_py):
+        acc = np.zeros(length, dtype)
+        counts = np.zeros(n, np.uint16)
+        seen = [bytearray(n) for _ in range(4)]
+        answers = []
+        for seq, w in packets:
+            count = min(epp, length - seq * epp) if 0 <= seq < n else epp
+            if w == 3:
+                count += 1                      # miscounted
+            payload = (np.arange(max(count, 0)) * 0.37 + seq + w).astype(dtype)
+            try:
+                answers.append(impl.round_add(acc, counts, seen[w], seq, epp, count,
+                                              memoryview(payload.tobytes()),
+                                              dtype_code(np.dtype(dtype))))
+            except ValueError as e:
+                answers.append(str(e))
+        state[impl] = (acc.tobytes(), counts.tolist(), [bytes(x) for x in seen], answers)
+    assert state[_ltp] == state[ltp_py]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_send_batch_refuses_a_socket_that_is_not_ipv4_udp(impl):
     with socket.socket() as tcp:

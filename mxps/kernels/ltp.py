@@ -7,3 +7,4 @@ _impl, IMPLEMENTATION = implementation("_ltp", "ltp_py", "ltp.pyx")
 recv_batch = _impl.recv_batch
 send_batch = _impl.send_batch
 open_batch = _impl.open_batch
+round_add = _impl.round_add

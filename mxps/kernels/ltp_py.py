@@ -27,6 +27,7 @@ is wrong, before anything is read or sent.  IPv4 datagram sockets only (LTP's).
 import socket
 
 from ..ltp import packet as pk
+from .accum import add_into
 
 MAX_BATCH = 1024          # recvmmsg/sendmmsg take at most UIO_MAXIOV (1024) messages per call
 MAX_BUFFERS = 1024        # iovecs per datagram (IOV_MAX)
@@ -182,3 +183,32 @@ def open_batch(view, slot_size, got, paths, itemsize_of):
     check_open(view, slot_size, got)
     return [_open(view[i * slot_size:i * slot_size + size], addr, paths, itemsize_of)
             for i, (size, addr) in enumerate(got)]
+
+
+def check_round_add(n, length, seq, epp, count):
+    """A DATA packet ``seq`` of ``count`` elements must be one of the round's ``n`` packets and
+    carry exactly the elements the slice's cut gives it (``epp`` each, the last the rest of
+    ``length``); raises ValueError naming the packet otherwise."""
+    if not 0 <= seq < n:
+        raise ValueError("packet %d of a %d-packet slice" % (seq, n))
+    want = min(epp, length - seq * epp)
+    if count != want:
+        raise ValueError("packet %d carries %d elements, the slice's cut gives it %d"
+                         % (seq, count, want))
+
+
+def round_add(acc, counts, seen, seq, epp, count, payload, dtype_code):
+    """One worker's DATA packet ``seq`` into a round's accumulator (``ltp.rounds.LtpRound.add``):
+    ``acc`` the round's flat sum, ``counts`` (uint16, one per packet) how many workers' packet
+    arrived, ``seen`` (bytearray, one per packet) this worker's.  Adds ``payload`` at element
+    ``seq * epp`` and counts it, returning True; returns False for a packet this worker already
+    delivered (nothing changes); raises ValueError for one that does not fit the slice's cut
+    (nothing changes)."""
+    check_round_add(len(counts), acc.size, seq, epp, count)
+    if seen[seq]:
+        return False
+    lo = seq * epp
+    add_into(acc[lo:lo + count], payload, dtype_code)
+    seen[seq] = 1
+    counts[seq] += 1
+    return True

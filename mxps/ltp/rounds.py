@@ -19,6 +19,7 @@ those elements' sum is zero.
 import numpy as np
 
 from ..kernels.accum import add_into, copy_into
+from ..kernels.ltp import round_add
 from .packet import packet_count
 
 RESCALE, ZERO = "rescale", "zero"
@@ -59,24 +60,20 @@ class LtpRound:
 
     def add(self, worker, seq, count, payload, now):
         """Add DATA packet ``seq`` of ``worker``.  Returns False for a duplicate (nothing
-        changes); raises ValueError for a packet that does not fit the slice."""
-        if not 0 <= seq < self.n:
-            raise ValueError("packet %d of a %d-packet slice" % (seq, self.n))
-        if count != self.packet_elements(seq):
-            raise ValueError("packet %d carries %d elements, the slice's cut gives it %d"
-                             % (seq, count, self.packet_elements(seq)))
+        changes); raises ValueError for a packet that does not fit the slice.  The check, the
+        scatter-add and the counting are one call of ``kernels.ltp.round_add`` (per packet
+        this is the server's hot path)."""
         seen = self.seen[worker]
-        if seen is None:
-            seen = self.seen[worker] = bytearray(self.n)
-        if seen[seq]:
+        if seen is None:                # kept only once a packet was added
+            seen = bytearray(self.n)
+        if not round_add(self.acc, self.counts, seen, seq, self.epp, count, payload,
+                         self.dtype):
             self.duplicates += 1
             return False
-        lo = seq * self.epp
-        add_into(self.acc[lo:lo + count], payload, self.dtype)
-        seen[seq] = 1
-        self.counts[seq] += 1
+        self.seen[worker] = seen
         self.received[worker] += 1
-        self._hear(worker, now)
+        if self.heard[worker] is None:
+            self._hear(worker, now)
         self.last = now
         return True
 
