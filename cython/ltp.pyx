@@ -380,16 +380,23 @@ DEF _F32 = 0
 DEF _F64 = 1
 
 
+ctypedef fused _real:
+    float
+    double
+
+
+cdef inline void _add_run(_real *a, const _real *b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        a[i] += b[i]
+
+
 def round_add(acc, unsigned short[::1] counts, unsigned char[::1] seen, Py_ssize_t seq,
               Py_ssize_t epp, Py_ssize_t count, payload, int dtype_code):
     """One worker's DATA packet into a round's accumulator: the twin's ``round_add``, float32
     and float64 summed here, other dtypes by ``kernels.accum.add_into``."""
-    cdef Py_ssize_t n = counts.shape[0], length = acc.size, want, i, lo
+    cdef Py_ssize_t n = counts.shape[0], length = acc.size, want, lo, size
     cdef Py_buffer a, b
-    cdef float *af
-    cdef const float *bf
-    cdef double *ad
-    cdef const double *bd
     if seq < 0 or seq >= n:
         _twin.check_round_add(n, length, seq, epp, count)          # raises, naming the packet
     want = min(epp, length - seq * epp)
@@ -401,28 +408,19 @@ def round_add(acc, unsigned short[::1] counts, unsigned char[::1] seen, Py_ssize
         return False
     lo = seq * epp
     if dtype_code == _F32 or dtype_code == _F64:
+        size = 4 if dtype_code == _F32 else 8
         PyObject_GetBuffer(acc, &a, PyBUF_WRITABLE)
         try:
             PyObject_GetBuffer(payload, &b, PyBUF_SIMPLE)
             try:
-                if dtype_code == _F32:
-                    if a.len != length * 4 or b.len != count * 4:
-                        raise ValueError("round_add: %d accumulator and %d payload bytes for "
-                                         "%d and %d float32" % (a.len, b.len, length, count))
-                    af = (<float *> a.buf) + lo
-                    bf = <const float *> b.buf
-                    with nogil:
-                        for i in range(count):
-                            af[i] += bf[i]
-                else:
-                    if a.len != length * 8 or b.len != count * 8:
-                        raise ValueError("round_add: %d accumulator and %d payload bytes for "
-                                         "%d and %d float64" % (a.len, b.len, length, count))
-                    ad = (<double *> a.buf) + lo
-                    bd = <const double *> b.buf
-                    with nogil:
-                        for i in range(count):
-                            ad[i] += bd[i]
+                if a.len != length * size or b.len != count * size:
+                    raise ValueError("round_add: %d accumulator and %d payload bytes for %d and "
+                                     "%d float%d" % (a.len, b.len, length, count, 8 * size))
+                with nogil:
+                    if dtype_code == _F32:
+                        _add_run((<float *> a.buf) + lo, <const float *> b.buf, count)
+                    else:
+                        _add_run((<double *> a.buf) + lo, <const double *> b.buf, count)
             finally:
                 PyBuffer_Release(&b)
         finally:
