@@ -23,8 +23,8 @@ survivor still running 30 s after its bound is a hang.
         [--parallel 2] [--out docs/FAILURES.md] [--json results.json]
 
 Every job runs on loopback through the one job runner (``mxps_tools.jobs.Job``) with short
-timeouts (MXPS_HEARTBEAT_INTERVAL=0.5, MXPS_HEARTBEAT_TIMEOUT=3, MXPS_START_TIMEOUT=20) and a
-tiny model (tests/jobs/fault_job.py); tests/test_failures.py runs a subset of the cells.
+timeouts (MXPS_HEARTBEAT_INTERVAL=0.5, MXPS_HEARTBEAT_TIMEOUT=3; MXPS_START_TIMEOUT=60 in the
+cells about it, 150 in the others) and a tiny model (tests/jobs/fault_job.py); tests/test_failures.py runs a subset of the cells.
 """
 import argparse
 import concurrent.futures
@@ -50,7 +50,12 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 3.0
-START_TIMEOUT = 20.0
+# MXPS_START_TIMEOUT for the cells about it (a node that never registers, the scheduler lost
+# while w1 is on its way): every node imports MXNet (~3 CPU-s) before it registers, and at
+# --parallel 4 on 2 cores that is 20 processes at once, ~30 s; 20 s failed in CI
+START_TIMEOUT = 60.0
+# every other cell's phase comes after all nodes registered: a start deadline is not their point
+LATE_START_TIMEOUT = 150.0
 TRIGGER_TIMEOUT = 180.0      # for the phase to come (every node imports MXNet first)
 HANG_MARGIN = 30.0           # a survivor still running this long after its bound hangs
 HOLD_VICTIM = 120.0          # a victim paused at its fault point waits to be signalled
@@ -60,7 +65,7 @@ BASE_ENV = {
     "FAULT_MODE": "train", "FAULT_STEP_SLEEP": "0.05", "FAULT_READY_STEPS": "2",
     "MXPS_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL),
     "MXPS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
-    "MXPS_START_TIMEOUT": str(START_TIMEOUT), "MXPS_TIMEOUT": "",
+    "MXPS_TIMEOUT": "",
     "MXPS_FAULT_POINT": "", "MXPS_FAULT_HOLD": "",
 }
 # a live re-plan at every step that moves state between the servers (as tests/test_replan.py)
@@ -85,6 +90,14 @@ class Cell:
             raise ValueError("cell %r: expected role/phase/signal with role in %s, phase in %s, "
                              "signal in %s" % (text, ROLES, PHASES, tuple(SIGNALS)))
         return cls(*parts)
+
+    @property
+    def start_timeout(self):
+        """MXPS_START_TIMEOUT for the cell's job."""
+        if self.phase == "before_register" or (self.phase, self.role) == ("starting",
+                                                                           "scheduler"):
+            return START_TIMEOUT
+        return LATE_START_TIMEOUT
 
     @property
     def bound(self):
@@ -118,7 +131,8 @@ class Trial:
 
 def _setup(cell, out):
     """(env, role_env, trigger markers, default victim node name) for a cell."""
-    env = dict(BASE_ENV, FAULT_OUT=out, MXPS_FAULT_DIR=out)
+    env = dict(BASE_ENV, FAULT_OUT=out, MXPS_FAULT_DIR=out,
+               MXPS_START_TIMEOUT=str(cell.start_timeout))
     role_env = {}
     victim = {"worker": "w1", "server": "s1", "scheduler": "sched"}[cell.role]
 
