@@ -360,6 +360,16 @@ def _entry_points(marker):
     return points
 
 
+def _rogue_send(sock, header, body=None):
+    """Queue one message on a rogue's socket without waiting.  A refused handshake can leave
+    the socket's queue closed (ZeroMQ's EAGAIN: ``QueueFull``): the message then never leaves
+    the rogue, which is the gate working, so it is not an error of the test."""
+    try:
+        tcp.send(sock, header, body, block=False)
+    except tcp.QueueFull:
+        pass
+
+
 def _attack(ports, marker):
     """Both rogues try every entry point, one connection each; how many of each kind's got
     any answer."""
@@ -367,7 +377,7 @@ def _attack(ports, marker):
     for kind in ("plain", "wrong"):
         for target, ident, h, body in _entry_points(marker):
             sock = _connect_from(_rogue(kind, ident), kind, ports[target])
-            tcp.send(sock, h, body, block=False)
+            _rogue_send(sock, h, body)
             socks.append((kind, sock))
     answered = {"plain": 0, "wrong": 0}
     deadline = time.monotonic() + 2.0
@@ -388,7 +398,7 @@ def _until_logged(job, node, kind, port, tries=20):
         if line in job.node(node).read("err"):
             return extra
         sock = _connect_from(_rogue(kind), kind, port)
-        tcp.send(sock, Header(MsgType.HEARTBEAT), block=False)
+        _rogue_send(sock, Header(MsgType.HEARTBEAT))
         time.sleep(0.3)
         sock.close(0)
     return tries
@@ -451,9 +461,9 @@ def attacked_job():
             for kind in ("plain", "wrong"):
                 for role in ("worker", "server"):
                     sock = _connect_from(_rogue(kind), kind, job.port)
-                    tcp.send(sock, Header(MsgType.REGISTER), json.dumps(
+                    _rogue_send(sock, Header(MsgType.REGISTER), json.dumps(
                         {"role": role, "host": ROGUE_ADDR[kind], "port": 1, "pid": 999999,
-                         "mode": "sync"}).encode(), block=False)
+                         "mode": "sync"}).encode())
                     registers[(kind, role)] = sock
             rogue_workers = [(name,) + _start_rogue_worker(job, secret, log_dir, name)
                              for name, secret in (("rogue-wrong", WRONG), ("rogue-none", ""))]
