@@ -406,11 +406,13 @@ UDP_RECEIVER = textwrap.dedent('''
     print('ready', flush=True)
     _, sender = sock.recvfrom(16)               # the sender's hello: its address
     sock.sendto(b'go', sender)                  # lossless direction; resolves ARP both ways
-    data, ends = set(), 0
+    data, ends, hellos = set(), 0, 1
     while ends == 0:
         payload = sock.recv(2048)
         if payload.startswith(b'end'):
             ends += 1
+        elif payload == b'hello':               # a retry sent before the go arrived
+            hellos += 1
         else:
             data.add(int(payload[:8]))
     sock.settimeout(0.3)                        # the rest of the end markers, then quiet
@@ -420,15 +422,15 @@ UDP_RECEIVER = textwrap.dedent('''
             ends += payload.startswith(b'end')
     except socket.timeout:
         pass
-    print(json.dumps({'data': len(data), 'ends': ends}), flush=True)
+    print(json.dumps({'data': len(data), 'ends': ends, 'hellos': hellos}), flush=True)
 ''')
 
 UDP_SENDER = textwrap.dedent('''
     import socket, sys
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.settimeout(10)
+    sock.settimeout(0.2)                        # a hello the loss rule drops is sent again
     dest = (sys.argv[1], int(sys.argv[2]))
-    for _ in range(50):                         # hello until the receiver answers
+    for hellos in range(1, 101):                # hello until the receiver answers
         sock.sendto(b'hello', dest)
         try:
             sock.recv(16)
@@ -439,6 +441,7 @@ UDP_SENDER = textwrap.dedent('''
         sock.sendto(b'%08d' % seq + bytes(1016), dest)
     for _ in range(int(sys.argv[4])):
         sock.sendto(b'end', dest)
+    print(hellos, flush=True)
 ''')
 
 
@@ -448,10 +451,13 @@ def _udp_burst(topo, src, dst):
                     stdout=subprocess.PIPE, text=True)
     assert rx.stdout.readline().strip() == 'ready'
     tx = topo.popen(src, [sys.executable, '-c', UDP_SENDER, topo.addr(dst), str(PORT),
-                          str(DATAGRAMS), str(END_MARKERS)])
-    out, _ = rx.communicate(timeout=30)
-    assert tx.wait(timeout=10) == 0 and rx.returncode == 0
-    return json.loads(out)
+                          str(DATAGRAMS), str(END_MARKERS)], stdout=subprocess.PIPE, text=True)
+    out, _ = rx.communicate(timeout=40)
+    sent_hellos, _ = tx.communicate(timeout=10)
+    assert tx.returncode == 0 and rx.returncode == 0
+    got = json.loads(out)
+    got['hellos_sent'] = int(sent_hellos)
+    return got
 
 
 def _within_binomial(dropped, attempts, percent):
@@ -469,7 +475,9 @@ def test_loss_rule_drops_the_configured_share_of_datagrams_and_nothing_else():
         got = _udp_burst(t, 'a', 'b')
         counted = t.loss_drops('b')
         assert t.qdisc_stats('a')['up']['drops'] == 0
-    lost = (DATAGRAMS + END_MARKERS) - (got['data'] + got['ends'])
+    # the hellos cross the rule too (a dropped one is sent again after 0.2 s)
+    lost = (DATAGRAMS + END_MARKERS + got['hellos_sent']) - (got['data'] + got['ends']
+                                                             + got['hellos'])
     print(f'{LOSS_PERCENT}% loss: {lost} of {DATAGRAMS + END_MARKERS} datagrams lost, '
           f'{counted} counted by the rule')
     assert counted == lost                      # every loss is the rule's, and per datagram

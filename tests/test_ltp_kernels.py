@@ -104,20 +104,21 @@ def test_the_selector_uses_the_compiled_module_and_the_endpoints_use_the_selecto
     from mxps.kernels import ltp
     mod = ltp_py if config.pure_python() else _ltp        # the suite may run with the twins
     assert ltp.IMPLEMENTATION == ("python" if mod is ltp_py else "cython")
-    assert (ltp.recv_batch, ltp.send_batch, ltp.open_batch) == (
-        mod.recv_batch, mod.send_batch, mod.open_batch)
+    assert (ltp.recv_batch, ltp.send_batch, ltp.open_batch, ltp.send_run) == (
+        mod.recv_batch, mod.send_batch, mod.open_batch, mod.send_run)
     assert receiver_mod.recv_batch is ltp.recv_batch and receiver_mod.open_batch is ltp.open_batch
     assert sender_mod.send_batch is ltp.send_batch and sender_mod.recv_batch is ltp.recv_batch
+    assert sender_mod.send_run is ltp.send_run
 
 
 def test_mxps_pure_python_makes_the_receiver_and_the_sender_use_the_twins():
     code = ("import json; from mxps.kernels import ltp; from mxps.ltp import receiver, sender; "
             "print(json.dumps([ltp.IMPLEMENTATION] + [f.__module__ for f in (receiver.recv_batch,"
-            " receiver.open_batch, sender.send_batch, sender.recv_batch)]))")
+            " receiver.open_batch, sender.send_batch, sender.recv_batch, sender.send_run)]))")
     env = dict(os.environ, MXPS_PURE_PYTHON="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    assert json.loads(out) == ["python"] + ["mxps.kernels.ltp_py"] * 4
+    assert json.loads(out) == ["python"] + ["mxps.kernels.ltp_py"] * 5
 
 
 # --- recv_batch ---------------------------------------------------------------------------------
@@ -367,7 +368,19 @@ def _full_buffer_scenario():
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
         msgs = [([bytes(1000)], rx.getsockname())] * 10
         batches = [impl.send_batch(s, msgs), impl.send_batch(s, msgs)]
+        subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "pfifo_fast"],
+                       check=True)
+        subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", "8bit",
+                        "burst", "1600", "limit", "100000000"], check=True)
+        s2 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s2.bind((LOOP, 0))
+        s2.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+        grad = np.ones(2500, np.float32)
+        runs = [impl.send_run(s2, rx.getsockname(), pk.Tagger(bytes(32)), 0, F32, 1, 0, 1, 0,
+                              2500, grad, 4, 250, seq, 10 - seq, seq) for seq in (0, 0)]
+        s2.close()
         sender_mod.send_batch = impl.send_batch
+        sender_mod.send_run = impl.send_run
         tx = sender_mod.Sender(0, LOOP)
         tx.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
         reply = json.dumps({"port": rx.getsockname()[1], "key": bytes(32).hex(),
@@ -378,13 +391,15 @@ def _full_buffer_scenario():
         t = 0.0
         while tx.counts["data"] < 100:       # the push's 100 packets, on a clock that paces
             t = max(t, tx.pump(t) or t)
-        out[impl.__name__] = {"batches": batches, "sender": dict(tx.counts)}
+        out[impl.__name__] = {"batches": batches, "runs": runs, "sender": dict(tx.counts)}
         for sock in (rx, s, tx.sock):
             sock.close()
     print(json.dumps(out))
 
 
 def test_a_full_send_buffer_sends_none_or_a_part_and_the_sender_counts_the_rest_as_lost():
+    """send_batch and send_run into a full send buffer send a part, then none, and say how
+    many; the Sender on either implementation counts the rest as lost, the same."""
     if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("tc")):
         pytest.skip("needs root, unshare and tc for a private network namespace")
     run = subprocess.run(["unshare", "-n", sys.executable, os.path.abspath(__file__),
@@ -395,6 +410,9 @@ def test_a_full_send_buffer_sends_none_or_a_part_and_the_sender_counts_the_rest_
     first, again = kernel["batches"]
     assert 0 < first < 10 and again == 0           # a part, then none: EAGAIN at the first
     assert twin["batches"] == [first, again]
+    first, again = kernel["runs"]                  # send_run into a full buffer: the same
+    assert 0 < first < 10 and again == 0
+    assert twin["runs"] == [first, again]
     assert kernel["sender"] == twin["sender"], (kernel, twin)
     counts = kernel["sender"]
     tried = counts["data"] + counts.get("end", 0)
@@ -538,6 +556,7 @@ def impl(request, monkeypatch):
     monkeypatch.setattr(receiver_mod, "open_batch", mod.open_batch)
     monkeypatch.setattr(sender_mod, "recv_batch", mod.recv_batch)
     monkeypatch.setattr(sender_mod, "send_batch", mod.send_batch)
+    monkeypatch.setattr(sender_mod, "send_run", mod.send_run)
     return request.param
 
 
@@ -637,3 +656,93 @@ def test_a_pumped_push_arrives_whole_and_its_end_ack_completes_it_on_either(impl
 
 if __name__ == "__main__" and sys.argv[1:] == ["full-buffer"]:
     _full_buffer_scenario()
+
+
+# --- send_run -----------------------------------------------------------------------------------
+
+RUN_DTYPES = {"float32": 4, "float64": 8, "float16": 2, "int8": 1}
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(sorted(RUN_DTYPES)), length=st.integers(0, 3000),
+       epp=st.integers(1, 700), data=st.data(),
+       pn=st.sampled_from([0, 7, 2 ** 32 - 3, 2 ** 40 + 5]),
+       fields=st.tuples(st.integers(0, 0xFFFF), st.integers(-2 ** 31, 2 ** 31 - 1),
+                        st.integers(0, 2 ** 32 - 1), st.integers(-2 ** 63, 2 ** 63 - 1),
+                        st.integers(0, 2 ** 64 - 1)))
+def test_send_run_sends_the_datagrams_packet_encode_makes_each_packet_its_elements(
+        dtype, length, epp, data, pn, fields):
+    """Both implementations send, datagram for datagram, what ``packet.encode`` makes for
+    packets seq .. seq + k - 1 of the slice (pn + i modulo 2**32 on the wire), and each decodes
+    to its own elements of the slice."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+        rx.bind((LOOP, 0))
+        tx.bind((LOOP, 0))
+        _check_send_run(rx, tx, dtype, length, epp, data, pn, fields)
+
+
+def _check_send_run(rx, tx, dtype, length, epp, data, pn, fields):
+    n = pk.packet_count(length, epp)
+    seq = data.draw(st.integers(0, n))
+    k = data.draw(st.integers(0, min(n - seq, 64)))
+    worker, key, plan, round_, offset = fields
+    itemsize = RUN_DTYPES[dtype]
+    grad = np.random.default_rng(length * 7919 + epp).integers(
+        0, 256, length * itemsize, np.uint8).view(np.dtype(dtype))
+    tagger = pk.Tagger(bytes(range(32)))
+    code = dtype_code(dtype)
+    want = [b"".join(bytes(x) for x in pk.encode(
+        tagger, pk.DATA, worker, code, (pn + i) & pk.PN_MASK, key, plan, round_, offset,
+        length, seq + i, min(epp, length - (seq + i) * epp),
+        memoryview(grad).cast("B")[(seq + i) * epp * itemsize:
+                                  (seq + i) * epp * itemsize
+                                  + min(epp, length - (seq + i) * epp) * itemsize]))
+        for i in range(k)]
+    for impl in BOTH:
+        assert impl.send_run(tx, rx.getsockname(), tagger, worker, code, key, plan, round_,
+                             offset, length, grad, itemsize, epp, seq, k, pn) == k
+        got, _ = read_all(ltp_py, rx, k) if k else ([], [])
+        assert [g[2] for g in got] == want, impl.__name__
+        assert quiet(rx, 0.05)
+    for i, dgram in enumerate(want):
+        assert tagger.check(dgram)
+        f, payload = pk.decode(dgram, lambda c: itemsize)
+        assert (f.seq, f.pn, f.length, f.worker) == (seq + i, (pn + i) & pk.PN_MASK, length,
+                                                    worker)
+        lo = f.seq * epp
+        assert bytes(payload) == grad[lo:lo + f.count].tobytes()
+
+
+def _run_args(rx, grad, **over):
+    args = dict(sock=None, addr=rx.getsockname(), tagger=pk.Tagger(bytes(32)), worker=1,
+                dtype=F32, key=3, plan_version=1, round_=5, offset=0, length=grad.size,
+                data=grad, itemsize=4, epp=100, seq=0, k=2, pn=0)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(seq=9, k=2), r"packets 9\.\.10 of a 10-packet slice"),
+    (dict(k=-1), r"packets 0\.\.-2 of a 10-packet slice"),
+    (dict(length=999), r"4000 bytes of data for a slice of 999 elements of 4 bytes"),
+    (dict(epp=0), r"elements per packet 0 must be positive"),
+    (dict(worker=70000), r"the worker 70000 does not fit its header field"),
+    (dict(key=2 ** 31), r"the key 2147483648 does not fit"),
+    (dict(round_=1.5), r"the round 1\.5 does not fit"),
+    (dict(pn=-1), r"packet number -1 is not an unsigned 64-bit integer"),
+    (dict(addr=("no such host.invalid", 9)), r"host 'no such host\.invalid'"),
+    (dict(data="text"), r"the data is a str, not a bytes-like object"),
+])
+def test_send_run_refuses_a_wrong_argument_in_both_naming_it_before_sending(socks, over,
+                                                                           message):
+    rx, tx = socks(2)
+    grad = np.zeros(1000, np.float32)
+    for impl in BOTH:
+        args = _run_args(rx, grad, **over)
+        args["sock"] = tx
+        with pytest.raises(ValueError, match=message):
+            impl.send_run(*args.values())
+    assert quiet(rx)
+

@@ -589,3 +589,67 @@ def test_a_sender_pumped_every_few_milliseconds_keeps_its_pacing_rate(every):
 
     assert fraction_sent(ratemod.BURST_SECONDS) < 0.55
     assert fraction_sent(PUMP_CREDIT) > 0.95
+
+
+# --- a run of sends in one call (the worker's pump) -------------------------------------------
+
+def _state(m):
+    """Everything a send changes in the model."""
+    return (dict(m._out), list(m._order), m._last_pn, m._inflight, m._next_departure,
+            m.sent_bytes, m._app_limited_until, m._idle, m._pacing, m.cwnd, m.state,
+            m._delivered_time, m._first_tx_time)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS, st.sampled_from([None, 2e6]), st.integers(0, 40), st.integers(100, 9000),
+       st.one_of(st.none(), st.integers(1, 9000)), st.sampled_from([None, 5e5, 1e9]),
+       st.floats(0.0, 0.01))
+def test_send_run_records_exactly_what_a_loop_of_next_send_time_and_on_send_does(
+        ops, initial_rate, room, nbytes, last, ceiling, later):
+    """After any history, ``send_run(pn, nbytes, room, now, last)`` sends as many packets and
+    leaves the model in the same state as the per-packet loop it replaces (pacing credit,
+    window, a restart after idle, a ceiling's app-limited marks included)."""
+    def history():
+        m = PathRate(0.0, initial_rate=initial_rate, seed=0)
+        now, pn = 0.0, 0
+        for op in ops:
+            if op[0] == "send":
+                for _ in range(op[1]):
+                    pn += 1
+                    if m.next_send_time(op[2], now) <= now:
+                        m.on_send(pn, op[2], now)
+                    else:
+                        pn -= 1
+            elif op[0] == "ack":
+                m.on_ack(op[1], now)
+            elif op[0] == "lost":
+                m.on_lost(op[1], now)
+            elif op[0] == "idle":
+                m.idle(now)
+            else:
+                now += op[1]
+        if ceiling:
+            m.cap(ceiling)
+        return m, now + later, pn + 1
+
+    a, now, pn = history()
+    b, _, _ = history()
+    assert _state(a) == _state(b)
+    k = a.send_run(pn, nbytes, room, now, last)
+    n = 0
+    while n < room:
+        size = last if (last is not None and n == room - 1) else nbytes
+        if b.next_send_time(size, now) > now:
+            break
+        b.on_send(pn + n, size, now)
+        n += 1
+    assert k == n
+    assert _state(a) == _state(b)
+    assert a.snapshot() == b.snapshot()
+
+
+def test_send_run_refuses_a_packet_without_bytes():
+    m = PathRate(0.0, initial_rate=1e6)
+    with pytest.raises(ValueError, match="must be positive"):
+        m.send_run(1, 1000, 3, 0.0, last_nbytes=0)
+    assert m.inflight == 0 and m.sent_bytes == 0

@@ -8,3 +8,4 @@ recv_batch = _impl.recv_batch
 send_batch = _impl.send_batch
 open_batch = _impl.open_batch
 round_add = _impl.round_add
+send_run = _impl.send_run

@@ -11,6 +11,9 @@ module (MXPS_PURE_PYTHON=1 selects it).
   order; returns how many were sent: 0 when the socket's send buffer is full at the first,
   fewer than ``len(msgs)`` when it filled up (or a later datagram failed: the next call, from
   that one, reports why), as ``sendmmsg`` does.  Other errors at the first raise ``OSError``.
+- ``send_run(sock, addr, tagger, worker, dtype, key, plan_version, round_, offset, length,
+  data, itemsize, epp, seq, k, pn)``: DATA packets ``seq .. seq + k - 1`` of one slice, made
+  (``packet.encode``) and sent (``send_batch``) in one call: the worker's pump.
 - ``open_batch(view, slot_size, got, paths, itemsize_of)``: the datagrams ``recv_batch`` put
   in the ring (``view``: a byte memoryview of it; ``got``: what recv_batch returned), each
   opened if it is an LTP packet a server accepts: the worker it names has a path
@@ -212,3 +215,62 @@ def round_add(acc, counts, seen, seq, epp, count, payload, dtype_code):
     seen[seq] = 1
     counts[seq] += 1
     return True
+
+
+_FIELDS = (("worker", 0, 0xFFFF), ("dtype", 0, 0xFF), ("key", -2 ** 31, 2 ** 31 - 1),
+           ("plan version", 0, 2 ** 32 - 1), ("round", -2 ** 63, 2 ** 63 - 1),
+           ("offset", 0, 2 ** 64 - 1), ("length", 0, 2 ** 64 - 1))
+
+
+def check_fields(worker, dtype, key, plan_version, round_, offset, length):
+    """The header fields of ``send_run`` must be integers that fit their fields."""
+    for (name, lo, hi), v in zip(_FIELDS, (worker, dtype, key, plan_version, round_, offset,
+                                           length)):
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ValueError("send_run: the %s %r does not fit its header field (%d..%d)"
+                             % (name, v, lo, hi))
+
+
+def check_run(sock, addr, data, itemsize, epp, length, seq, k, pn):
+    """The argument rules of ``send_run``; returns ``(byte memoryview of data, (host, port))``."""
+    check_socket(sock, "send_run")
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise ValueError("send_run: the data is a %s, not a bytes-like object"
+                         % type(data).__name__) from None
+    if not view.c_contiguous:
+        raise ValueError("send_run: the data is not contiguous")
+    view = view.cast("B")
+    if itemsize < 1 or epp < 1:
+        raise ValueError("send_run: itemsize %d and elements per packet %d must be positive"
+                         % (itemsize, epp))
+    if length < 0 or view.nbytes != length * itemsize:
+        raise ValueError("send_run: %d bytes of data for a slice of %d elements of %d bytes"
+                         % (view.nbytes, length, itemsize))
+    n = pk.packet_count(length, epp)
+    if k < 0 or seq < 0 or seq + k > n:
+        raise ValueError("send_run: packets %d..%d of a %d-packet slice" % (seq, seq + k - 1, n))
+    if not 0 <= pn <= 0xFFFFFFFFFFFFFFFF:
+        raise ValueError("send_run: packet number %d is not an unsigned 64-bit integer" % pn)
+    return view, address(addr, 0)
+
+
+def send_run(sock, addr, tagger, worker, dtype, key, plan_version, round_, offset, length, data,
+             itemsize, epp, seq, k, pn):
+    """Send DATA packets ``seq .. seq + k - 1`` of one slice (``data``: the slice's ``length``
+    elements of ``itemsize`` bytes, ``epp`` per packet) to ``addr``, packet ``seq + i`` with
+    packet number ``pn + i`` (modulo 2**32 on the wire) and ``tagger``'s tag: the datagrams
+    ``packet.encode`` makes, sent as ``send_batch`` sends them (the same return value and
+    errors).  The worker's hot path: its compiled twin builds and tags the datagrams in C."""
+    check_fields(worker, dtype, key, plan_version, round_, offset, length)
+    view, addr = check_run(sock, addr, data, itemsize, epp, length, seq, k, pn)
+    msgs = []
+    for i in range(k):
+        s = seq + i
+        count = min(epp, length - s * epp)
+        lo = s * epp * itemsize
+        msgs.append((pk.encode(tagger, pk.DATA, worker, dtype, (pn + i) & pk.PN_MASK, key,
+                               plan_version, round_, offset, length, s, count,
+                               view[lo:lo + count * itemsize]), addr))
+    return send_batch(sock, msgs)

@@ -251,6 +251,44 @@ class PathRate:
             t = max(t, self._oldest_timeout())
         return t
 
+    def send_run(self, pn, nbytes, room, now, last_nbytes=None):
+        """Send as many of ``room`` packets as pacing and cwnd allow at ``now``: packet numbers
+        ``pn, pn + 1, ...`` of ``nbytes`` each (the ``room``-th of ``last_nbytes``, if given).
+        Exactly what a loop of ``next_send_time(size, now) <= now`` then ``on_send(pn + i,
+        size, now)`` does, without its per-packet cost (the worker's pump sends runs of a
+        slice's packets); returns how many were recorded as sent."""
+        last = nbytes if last_nbytes is None else last_nbytes
+        if not (nbytes > 0 and last > 0):
+            raise ValueError("packets of %r and %r bytes: must be positive" % (nbytes, last))
+        if room <= 0 or self.next_send_time(last if room == 1 else nbytes, now) > now:
+            return 0
+        self.on_send(pn, last if room == 1 else nbytes, now)
+        # after the first, within one ``now``: nothing expires, no flight starts, no restart,
+        # the pacing rate and the window do not change
+        out, order = self._out, self._order
+        cwnd, pacing = self.cwnd, self._pacing
+        floor = now - self._credit()
+        rec = out[pn]
+        nd, inflight, k = self._next_departure, self._inflight, 1
+        while k < room:
+            size = last if k == room - 1 else nbytes
+            if nd > now or (inflight and inflight + size > cwnd):
+                break
+            if size != rec[_N]:
+                rec = (size,) + rec[1:]
+            out[pn + k] = rec
+            order.append(pn + k)
+            if self._capped:       # as on_send: app-limited up to what is in flight before it
+                self._app_limited_until = (self._delivered + inflight) or 1
+            inflight += size
+            self.sent_bytes += size
+            nd = max(nd, floor) + size / pacing
+            k += 1
+        self._last_pn = pn + k - 1
+        self._inflight = inflight
+        self._next_departure = nd
+        return k
+
     def idle(self, now):
         """The sender has nothing to send (between rounds).  Marks the flight in progress and
         the next one app-limited, and makes the next send a restart: pacing at 1 x btl_bw (no

@@ -11,9 +11,10 @@ push, as the server's ACK of a TCP push does.
 
 Each (worker -> server) path paces at its ``rate.PathRate`` model: bottleneck rate and minimum
 RTT from the ACKs, random loss not taken for congestion.  The packets one pump sends on a path
-go out together, with one system call (``kernels.ltp.send_batch``: sendmmsg, each datagram
-gathered from its header, the gradient's memoryview and its tag); ACKs are read in batches too
-(``recv_batch``).
+go out together, with one system call: a run of one push's DATA packets is made, tagged and
+sent by one call (``kernels.ltp.send_run``: in C, with sendmmsg), after the rate model
+recorded the run (``PathRate.send_run``); ENDs and resent ENDs go by ``send_batch`` (each
+datagram gathered from its header and tag).  ACKs are read in batches too (``recv_batch``).
 
 Test-only: ``drop`` > 0 (MXPS_LTP_DROP) drops that fraction of DATA packets here, at random from
 a seeded generator, instead of sending them, as a lossy network would (the rate model sees them
@@ -26,7 +27,7 @@ import random
 import socket
 
 from . import packet as pk
-from ..kernels.ltp import recv_batch, send_batch
+from ..kernels.ltp import recv_batch, send_batch, send_run
 from .rate import PathRate
 from .receiver import SO_RCVBUFFORCE, SO_SNDBUFFORCE, big_buffer
 
@@ -173,6 +174,16 @@ class Sender:
         sent = 0
         while path.queue and sent < BURST:
             push = path.queue[0]
+            if push.next < push.n and not self.drop:
+                # a run of this push's DATA packets, as many as pacing allows, in one call
+                room = min(BURST - sent, push.n - push.next)
+                full = push.epp * push.itemsize + pk.OVERHEAD
+                last = self._size_of(push, push.next + room - 1) + pk.OVERHEAD
+                k = rate.send_run(path.pn, full, room, now, last)
+                if k:
+                    self._send_data_run(path, push, k)
+                    sent += k
+                    continue
             size = self._next_size(push) + pk.OVERHEAD
             t = rate.next_send_time(size, now)
             if t > now:
@@ -196,7 +207,41 @@ class Sender:
     def _next_size(self, push):
         if push.next >= push.n:
             return 0
-        return min(push.epp, push.h.length - push.next * push.epp) * push.itemsize
+        return self._size_of(push, push.next)
+
+    @staticmethod
+    def _size_of(push, seq):
+        """Payload bytes of DATA packet ``seq`` of ``push``."""
+        return min(push.epp, push.h.length - seq * push.epp) * push.itemsize
+
+    def _send_data_run(self, path, push, k):
+        """Send DATA packets ``push.next ..`` + ``k`` (the rate model has recorded them) with one
+        call: ``send_run`` makes and tags them (compiled: in C) and sends them with sendmmsg.
+        Whatever ``_transmit`` queued goes first (an END must not overtake its DATA)."""
+        if self._out:
+            self._flush(path)
+        h = push.h
+        seq, pn = push.next, path.pn
+        path.pn += k
+        push.next += k
+        push.sent_bytes += min(h.length, (seq + k) * push.epp) * push.itemsize \
+            - seq * push.epp * push.itemsize
+        self.counts["data"] += k
+        i = 0
+        while i < k:
+            try:
+                sent = send_run(self.sock, path.addr, path.tagger, self.worker, h.dtype, h.key,
+                                h.plan_version, h.iteration, h.offset, h.length, push.data,
+                                push.itemsize, push.epp, seq + i, k - i, pn + i)
+            except OSError as e:                 # datagram i failed
+                self.counts["send_error"] += 1
+                log.warning("mxps worker %d: LTP send to server %d failed: %s", self.worker,
+                            path.server, e)
+                sent = 1
+            if sent == 0:                        # the send buffer is full at datagram i
+                self.counts["sndbuf_full"] += 1  # as good as lost on the wire
+                sent = 1
+            i += sent
 
     def _send_data(self, path, push, now):
         h = push.h
