@@ -20,9 +20,9 @@ us (loopback: both include the kernel's delivery); opening 2.5 us against 3.9 us
 BLAKE2b of the datagram itself is 2.0 us.  ``send_run`` makes a run of one slice's DATA packets
 and sends them in one call (header in C, the payload copied next to it so the tag is one
 update of the keyed BLAKE2b state, sendmmsg): the worker's whole send path, rate model
-included, went from 9.3 to 6.5-7.2 us of CPU per 1500-byte datagram (its Python loop per
-packet, ``packet.encode`` and ``PathRate.on_send``, was ~4 us of it); the hash (2.1 us) and
-the kernel's send (~3.5 us) are most of what is left.
+included, went from 12.8-13.1 to 7.7-8.4 us of CPU per 1500-byte datagram and from 26.4-28.6
+to 24.0-24.7 us at 9000 (scripts/ltp_send_cpu.py, 3 reps each, interleaved): the hash (2.1 us
+per 1.4 KB, 10 us per 9 KB) and the kernel's send are most of what is left.
 
 The argument rules live in the twin (``check_recv``, ``check_message``, ...): this module calls
 them on anything it does not take on its fast path, so both fail the same way, naming the
