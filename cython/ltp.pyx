@@ -202,6 +202,31 @@ cdef object _sockaddr_of(object addr):
     return packed
 
 
+cdef Py_ssize_t _send_all(int fd, mmsghdr *hdrs, Py_ssize_t n) except -1:
+    """sendmmsg the ``n`` messages at ``hdrs`` without blocking, as many calls as needed; how
+    many were sent (fewer when the send buffer filled up or a later datagram failed: the next
+    call reports it); an error at the first raises OSError."""
+    cdef Py_ssize_t sent = 0
+    cdef int r = 0, err = 0
+    while sent < n:
+        with nogil:
+            r = sendmmsg(fd, hdrs + sent, <unsigned int> min(n - sent, MAX_BATCH), MSG_DONTWAIT)
+            if r < 0:
+                err = errno
+        if r > 0:
+            sent += r
+            continue
+        if r == 0:                                 # pragma: no cover - not on Linux
+            break
+        if err == EINTR:
+            PyErr_CheckSignals()                   # a handler's exception propagates
+            continue
+        if err == EAGAIN or sent:                  # (EWOULDBLOCK on Linux)
+            break
+        _raise_errno(err)
+    return sent
+
+
 def send_batch(sock, msgs):
     """Send each ``(buffers, (host, port))`` of ``msgs`` as one datagram gathered from its
     buffers; returns how many were sent (0: the send buffer is full)."""
@@ -226,8 +251,7 @@ def send_batch(sock, msgs):
     cdef sockaddr_in *names = <sockaddr_in *> calloc(n, sizeof(sockaddr_in))
     cdef iovec *iov = <iovec *> calloc(nbuf if nbuf else 1, sizeof(iovec))
     cdef Py_buffer *views = <Py_buffer *> calloc(nbuf if nbuf else 1, sizeof(Py_buffer))
-    cdef Py_ssize_t held = 0, sent = 0
-    cdef int r = 0, err = 0
+    cdef Py_ssize_t held = 0
     cdef object packed
     cdef object b
     try:
@@ -256,24 +280,7 @@ def send_batch(sock, msgs):
             if packed is None:
                 _refuse(items)
             memcpy(&names[i], PyBytes_AS_STRING(packed), sizeof(sockaddr_in))
-        while sent < n:
-            with nogil:
-                r = sendmmsg(fd, hdrs + sent, <unsigned int> min(n - sent, MAX_BATCH),
-                             MSG_DONTWAIT)
-                if r < 0:
-                    err = errno
-            if r > 0:
-                sent += r
-                continue
-            if r == 0:                                 # pragma: no cover - not on Linux
-                break
-            if err == EINTR:
-                PyErr_CheckSignals()                   # a handler's exception propagates
-                continue
-            if err == EAGAIN or sent:                  # (EWOULDBLOCK on Linux)
-                break
-            _raise_errno(err)
-        return sent
+        return _send_all(fd, hdrs, n)
     finally:
         for i in range(held):
             PyBuffer_Release(&views[i])
@@ -409,9 +416,8 @@ def send_run(sock, addr, tagger, worker, dtype, key, plan_version, round_, offse
     cdef iovec *iov = <iovec *> calloc(k, sizeof(iovec))
     cdef sockaddr_in name
     cdef Py_buffer view
-    cdef Py_ssize_t i, s, count, size, sent = 0
+    cdef Py_ssize_t i, s, count, size
     cdef uint8_t *p
-    cdef int r = 0, err = 0
     memcpy(&name, PyBytes_AS_STRING(packed), sizeof(sockaddr_in))
     base = tagger._base
     cls = type(base)
@@ -454,24 +460,7 @@ def send_run(sock, addr, tagger, worker, dtype, key, plan_version, round_, offse
             hdrs[i].msg_hdr.msg_namelen = sizeof(sockaddr_in)
             hdrs[i].msg_hdr.msg_iov = &iov[i]
             hdrs[i].msg_hdr.msg_iovlen = 1
-        while sent < k:
-            with nogil:
-                r = sendmmsg(fd, hdrs + sent, <unsigned int> min(k - sent, MAX_BATCH),
-                             MSG_DONTWAIT)
-                if r < 0:
-                    err = errno
-            if r > 0:
-                sent += r
-                continue
-            if r == 0:                                 # pragma: no cover - not on Linux
-                break
-            if err == EINTR:
-                PyErr_CheckSignals()                   # a handler's exception propagates
-                continue
-            if err == EAGAIN or sent:                  # (EWOULDBLOCK on Linux)
-                break
-            _raise_errno(err)
-        return sent
+        return _send_all(fd, hdrs, k)
     finally:
         PyBuffer_Release(&view)
         free(iov)

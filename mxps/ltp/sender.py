@@ -227,21 +227,10 @@ class Sender:
         push.sent_bytes += min(h.length, (seq + k) * push.epp) * push.itemsize \
             - seq * push.epp * push.itemsize
         self.counts["data"] += k
-        i = 0
-        while i < k:
-            try:
-                sent = send_run(self.sock, path.addr, path.tagger, self.worker, h.dtype, h.key,
-                                h.plan_version, h.iteration, h.offset, h.length, push.data,
-                                push.itemsize, push.epp, seq + i, k - i, pn + i)
-            except OSError as e:                 # datagram i failed
-                self.counts["send_error"] += 1
-                log.warning("mxps worker %d: LTP send to server %d failed: %s", self.worker,
-                            path.server, e)
-                sent = 1
-            if sent == 0:                        # the send buffer is full at datagram i
-                self.counts["sndbuf_full"] += 1  # as good as lost on the wire
-                sent = 1
-            i += sent
+        self._send_all(path, k, lambda i: send_run(
+            self.sock, path.addr, path.tagger, self.worker, h.dtype, h.key, h.plan_version,
+            h.iteration, h.offset, h.length, push.data, push.itemsize, push.epp, seq + i, k - i,
+            pn + i))
 
     def _send_data(self, path, push, now):
         h = push.h
@@ -297,18 +286,24 @@ class Sender:
         on the wire (``sndbuf_full``); one that fails is counted and logged (``send_error``);
         either way the next one is tried, as when each was sent alone."""
         msgs, self._out = self._out, []
+        self._send_all(path, len(msgs), lambda i: send_batch(self.sock, msgs[i:] if i else msgs))
+
+    def _send_all(self, path, n, send_from):
+        """Send ``n`` datagrams to ``path``: ``send_from(i)`` sends from datagram ``i`` on and
+        says how many went (``send_batch``/``send_run``).  A datagram the full send buffer does
+        not take is counted (``sndbuf_full``) and one that fails is counted and logged
+        (``send_error``): either is as good as lost on the wire, and the next one is tried."""
         i = 0
-        while i < len(msgs):
+        while i < n:
             try:
-                sent = send_batch(self.sock, msgs[i:] if i else msgs)
+                sent = send_from(i)
             except OSError as e:                 # datagram i failed
                 self.counts["send_error"] += 1
                 log.warning("mxps worker %d: LTP send to server %d failed: %s", self.worker,
                             path.server, e)
-                i += 1
-                continue
+                sent = 1
             if sent == 0:                        # the send buffer is full at datagram i
-                self.counts["sndbuf_full"] += 1  # as good as lost on the wire
+                self.counts["sndbuf_full"] += 1
                 sent = 1
             i += sent
 
