@@ -350,6 +350,21 @@ def test_a_closed_socket_raises_oserror(socks, impl):
 
 # --- a full send buffer (a private network namespace, its loopback behind a slow qdisc) --------
 
+def _fresh_slow_qdisc():
+    """Loopback behind a tbf of 8 bit/s, its tokens fresh (a new qdisc each time)."""
+    subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "pfifo_fast"], check=True)
+    subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", "8bit",
+                    "burst", "1600", "limit", "100000000"], check=True)
+
+
+def _tiny_sender():
+    """A UDP socket on loopback with the smallest send buffer."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((LOOP, 0))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+    return s
+
+
 def _full_buffer_scenario():
     """Run inside ``unshare -n``: a loopback whose qdisc holds packets (8 bit/s), so the
     sockets' send buffers (the minimum, 4608 bytes) fill up; what each implementation and the
@@ -357,24 +372,14 @@ def _full_buffer_scenario():
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     out = {}
     for impl in BOTH:
-        subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "pfifo_fast"],
-                       check=True)
-        subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", "8bit",
-                        "burst", "1600", "limit", "100000000"], check=True)
+        _fresh_slow_qdisc()
         rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         rx.bind((LOOP, 0))
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind((LOOP, 0))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+        s = _tiny_sender()
         msgs = [([bytes(1000)], rx.getsockname())] * 10
         batches = [impl.send_batch(s, msgs), impl.send_batch(s, msgs)]
-        subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "pfifo_fast"],
-                       check=True)
-        subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", "8bit",
-                        "burst", "1600", "limit", "100000000"], check=True)
-        s2 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s2.bind((LOOP, 0))
-        s2.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+        _fresh_slow_qdisc()
+        s2 = _tiny_sender()
         grad = np.ones(2500, np.float32)
         runs = [impl.send_run(s2, rx.getsockname(), pk.Tagger(bytes(32)), 0, F32, 1, 0, 1, 0,
                               2500, grad, 4, 250, seq, 10 - seq, seq) for seq in (0, 0)]
