@@ -131,6 +131,7 @@ class Receiver:
         self.budget = pk.payload_budget(self.mtu)
         self.paths = [None] * num_workers
         self.share = Share(num_workers)      # the ACKs' rate grant (ltp.share)
+        self._drained = True                 # the last read emptied the socket
         self._now = 0.0
         self._open = [None] * num_workers     # per worker: (registered address, Tagger)
         self._by_addr = {}
@@ -177,6 +178,7 @@ class Receiver:
             return 0
         view = self._view
         touched = set()
+        self._drained = len(got) < BATCH     # the read emptied the socket (share.on_packet)
         for i, opened in enumerate(open_batch(view, SLOT, got, self._open, _itemsize)):
             size, addr = got[i]
             if opened is None:         # refused: the reference checks say why
@@ -214,7 +216,7 @@ class Receiver:
         """A verified packet of ``nbytes``: counted, to be ACKed, handed on."""
         path.note(f.pn)
         path.acks.append(f.pn)
-        self.share.on_packet(f.worker, nbytes, now)
+        self.share.on_packet(f.worker, nbytes, now, self._drained)
         self._now = now
         touched.add(f.worker)
         self.counts["packets"] += 1
