@@ -1087,10 +1087,27 @@ def test_ltp_without_loss_and_with_ratio_1_trains_exactly_what_tcp_trains(jobs,
 def test_ltp_with_5_percent_of_packets_dropped_finishes_synchronised_and_reports_it(
         jobs, tmp_path_factory):
     metrics = str(tmp_path_factory.mktemp("ltp_lossy") / "m")
+    traced = str(tmp_path_factory.mktemp("ltp_trace") / "t")
     run = jobs.train(train_env("mxps", MXPS_PUSH="ltp", MXPS_LTP_DROP=0.05, MXPS_LTP_MTU=1500,
-                               MXPS_LTP_MIN_BYTES=4096, MXPS_METRICS=metrics, steps=10, **BIG),
+                               MXPS_LTP_MIN_BYTES=4096, MXPS_METRICS=metrics, MXPS_TRACE=traced,
+                               steps=10, **BIG),
                      2, 2)
     weights = assert_synchronised(run.out_dir, 2)
+    # the trace samples every path's rate model (table paths): each path sent, was ACKed, was
+    # paced, and its counters only grow
+    for rank in (0, 1):
+        with open(traced + ".worker%d" % rank) as f:
+            table = json.load(f)["tables"]["paths"]
+        rows = [dict(zip(table["columns"], r)) for r in table["rows"]]
+        for server in (0, 1):
+            mine = [r for r in rows if r["server"] == server]
+            assert len(mine) >= 2 and all(r["kind"] == "ltp_path" for r in mine), table
+            for a, b in zip(mine, mine[1:]):
+                assert b["time"] >= a["time"] and b["sent_bytes"] >= a["sent_bytes"]
+                assert b["delivered_bytes"] >= a["delivered_bytes"]
+            last = mine[-1]
+            assert 0 < last["delivered_bytes"] <= last["sent_bytes"], last
+            assert all(r["pacing_rate"] > 0 and r["ceiling"] > 0 for r in mine), mine
     assert all(np.isfinite(v).all() for v in weights.values())
     expected = received = late = 0
     for rep in ltp_reports(metrics):

@@ -347,6 +347,16 @@ class Sender:
                     path.ends.pop(other, None)
                 path.waiting.remove(push)
 
+    def path_rows(self, kind, t):
+        """One trace row per path (``trace.PATH_COLUMNS``) at wall time ``t``."""
+        rows = []
+        for server, path in sorted(self.paths.items()):
+            r = path.rate
+            rows.append((kind, t, server, r.state, r.pacing_rate, r.btl_bw, r.max_rate,
+                         r.min_rtt, r.inflight, len(path.queue) + len(path.waiting),
+                         r.sent_bytes, r.delivered_bytes, r.lost_bytes))
+        return rows
+
     def oldest_end(self):
         """(first END time, server, push) of the push waiting longest for its END's ACK, or
         None."""

@@ -35,6 +35,12 @@ worker ``points`` (the adapter, training thread; ``POINT_COLUMNS``)
     flight), ``replan_sent`` (the REPLAN report handed to the I/O thread; ``full`` 1 or 0),
     ``replan_answer`` (the scheduler's answer read: ``new_version`` is the plan in force from
     then on; for a light point this is when the next point read it).
+worker ``paths`` (MXPS_PUSH=ltp only: the I/O thread, every ``PATH_SAMPLE`` s while the worker
+    has LTP paths; ``PATH_COLUMNS``)
+    ``ltp_path``: one row per path to a server: its BBR state, pacing rate, bottleneck rate
+    estimate, ``ceiling`` (the server's last grant, the rate the path may not exceed), minimum
+    RTT, bytes in flight, pushes queued or awaiting their END's ACK, and the path's sent,
+    delivered and lost byte counters (bytes/s, s, bytes).
 server ``data`` (``SERVER_DATA_COLUMNS``; ``worker`` -1 where no worker applies)
     ``push_arrived``, ``round_complete`` (all W pushes summed and the optimizer applied, or the
     sum stored), ``push_applied`` (async: one push applied), ``pull_parked`` (a pull of a round
@@ -53,19 +59,23 @@ import time
 
 FORMAT = "mxps-trace/1"
 
+PATH_SAMPLE = 0.05     # seconds between two samples of the LTP paths (table ``paths``)
+
 # the clock of every record (see the module docstring)
 clock = time.time
 
 REQUEST_COLUMNS = ("kind", "time", "round", "server", "key", "offset", "length", "bytes",
                    "plan_version", "request")
 POINT_COLUMNS = ("kind", "time", "round", "plan_version", "new_version", "full")
+PATH_COLUMNS = ("kind", "time", "server", "state", "pacing_rate", "btl_bw", "ceiling", "min_rtt",
+                "inflight", "queued", "sent_bytes", "delivered_bytes", "lost_bytes")
 SERVER_DATA_COLUMNS = ("kind", "time", "round", "key", "offset", "length", "worker", "bytes",
                        "plan_version", "request")
 SERVER_PLAN_COLUMNS = ("kind", "time", "plan_version", "key", "offset", "length", "peer",
                        "bytes", "part")
 
 TABLES = {
-    "worker": {"requests": REQUEST_COLUMNS, "points": POINT_COLUMNS},
+    "worker": {"requests": REQUEST_COLUMNS, "points": POINT_COLUMNS, "paths": PATH_COLUMNS},
     "server": {"data": SERVER_DATA_COLUMNS, "plan": SERVER_PLAN_COLUMNS},
 }
 

@@ -106,10 +106,12 @@ class Client:
         self.at_finish = []       # callables run at a clean exit, once MXNet's engine is idle
         # MXPS_TRACE (placement.trace): every event of every data request, written at exit
         # (for timelines; off by default); the adapter adds its re-plan points to ``trace``
-        self.trace = self._trace = None
+        self.trace = self._trace = self._paths_trace = None
+        self._next_path_sample = 0.0
         if cfg.trace:
             self.trace = trace.Recorder("worker", self.rank)
             self._trace = self.trace.rows["requests"]
+            self._paths_trace = self.trace.rows["paths"]
             self.at_finish.append(self._write_trace)
         # per round (the workers' push count): per server [bytes, first send, last reply],
         # for the bandwidth estimate (mxps.metrics); the I/O thread writes, others take rounds
@@ -458,6 +460,9 @@ class Client:
                     for push in ltp.receive(now):
                         self._ltp_done(push, now)
                 self._ltp_wake = ltp.pump(time.monotonic())
+                if self._paths_trace is not None and now >= self._next_path_sample:
+                    self._next_path_sample = now + trace.PATH_SAMPLE
+                    self._paths_trace.extend(ltp.path_rows("ltp_path", trace.clock()))
             if self.link.sock in events:
                 for h, p in self.link.receive():
                     self.link.handle(h, p)
