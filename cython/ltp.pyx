@@ -59,6 +59,17 @@ cdef extern from "<sys/socket.h>" nogil:
         msghdr msg_hdr
         unsigned int msg_len
 
+    struct cmsghdr:
+        size_t cmsg_len
+        int cmsg_level
+        int cmsg_type
+
+    cmsghdr *CMSG_FIRSTHDR(msghdr *msg)
+    cmsghdr *CMSG_NXTHDR(msghdr *msg, cmsghdr *cmsg)
+    unsigned char *CMSG_DATA(cmsghdr *cmsg)
+    enum: SOL_SOCKET
+    enum: SCM_TIMESTAMPNS
+
     int recvmmsg(int fd, mmsghdr *msgvec, unsigned int vlen, int flags, void *timeout)
     int sendmmsg(int fd, mmsghdr *msgvec, unsigned int vlen, int flags)
     enum: MSG_DONTWAIT
@@ -117,9 +128,14 @@ cdef int _raise_errno(int err) except -1:
     return -1
 
 
-def recv_batch(sock, ring, Py_ssize_t slot_size, int max_batch):
+DEF STAMP_SPACE = 64            # control bytes per message: CMSG_SPACE(16) is 32 on Linux
+
+
+def recv_batch(sock, ring, Py_ssize_t slot_size, int max_batch, list stamps=None):
     """Read up to ``max_batch`` waiting datagrams, datagram i into
-    ``ring[i * slot_size:(i + 1) * slot_size]``; ``[(nbytes, (host, port)), ...]``."""
+    ``ring[i * slot_size:(i + 1) * slot_size]``; ``[(nbytes, (host, port)), ...]``.  With a
+    list ``stamps``, each datagram's SO_TIMESTAMPNS arrival time (float seconds) or None is
+    appended to it."""
     _twin.check_recv(sock, ring, slot_size, max_batch)
     cdef int fd = sock.fileno()
     cdef Py_buffer view
@@ -128,13 +144,21 @@ def recv_batch(sock, ring, Py_ssize_t slot_size, int max_batch):
     cdef mmsghdr *msgs = <mmsghdr *> calloc(max_batch, sizeof(mmsghdr))
     cdef iovec *iov = <iovec *> calloc(max_batch, sizeof(iovec))
     cdef sockaddr_in *names = <sockaddr_in *> calloc(max_batch, sizeof(sockaddr_in))
+    cdef char *control = NULL
     cdef int i, r = -1, err = 0
     cdef const sockaddr_in *prev = NULL
+    cdef cmsghdr *cm
+    cdef int64_t *ts
     cdef object addr = None
+    cdef object stamp
     cdef list out = []
     try:
         if msgs == NULL or iov == NULL or names == NULL:
             raise MemoryError()
+        if stamps is not None:
+            control = <char *> calloc(max_batch, STAMP_SPACE)
+            if control == NULL:
+                raise MemoryError()
         for i in range(max_batch):
             iov[i].iov_base = base + i * slot_size
             iov[i].iov_len = slot_size
@@ -142,6 +166,9 @@ def recv_batch(sock, ring, Py_ssize_t slot_size, int max_batch):
             msgs[i].msg_hdr.msg_namelen = sizeof(sockaddr_in)
             msgs[i].msg_hdr.msg_iov = &iov[i]
             msgs[i].msg_hdr.msg_iovlen = 1
+            if control != NULL:
+                msgs[i].msg_hdr.msg_control = control + i * STAMP_SPACE
+                msgs[i].msg_hdr.msg_controllen = STAMP_SPACE
         with nogil:
             r = recvmmsg(fd, msgs, max_batch, MSG_DONTWAIT, NULL)
             if r < 0:
@@ -159,11 +186,22 @@ def recv_batch(sock, ring, Py_ssize_t slot_size, int max_batch):
                 addr = _peer(&names[i])
                 prev = &names[i]
             out.append((msgs[i].msg_len, addr))
+            if control != NULL:
+                stamp = None
+                cm = CMSG_FIRSTHDR(&msgs[i].msg_hdr)
+                while cm != NULL:
+                    if cm.cmsg_level == SOL_SOCKET and cm.cmsg_type == SCM_TIMESTAMPNS:
+                        ts = <int64_t *> CMSG_DATA(cm)
+                        stamp = ts[0] + ts[1] * 1e-9
+                        break
+                    cm = CMSG_NXTHDR(&msgs[i].msg_hdr, cm)
+                stamps.append(stamp)
         return out
     finally:
         free(msgs)
         free(iov)
         free(names)
+        free(control)
         PyBuffer_Release(&view)
 
 

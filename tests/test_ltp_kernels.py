@@ -167,6 +167,29 @@ def test_recv_batch_fills_a_numpy_ring_too(socks, impl):
     assert ring[0].tolist() == [0, 1, 2, 3, 0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_recv_batch_gives_each_datagram_its_kernel_arrival_time_when_stamps_are_on(socks, impl):
+    rx, tx, off = socks(3)
+    ltp_py.enable_stamps(rx)
+    before = time.time()
+    for i in range(5):
+        tx.sendto(payload_of(i, 100 + i), rx.getsockname())
+        time.sleep(0.01)
+    time.sleep(0.05)                    # they arrived long before they are read
+    read_at = time.time()
+    stamps, ring = [], bytearray(64 * 200)
+    got = impl.recv_batch(rx, ring, 200, 64, stamps)
+    assert [n for n, _ in got] == [100, 101, 102, 103, 104]
+    assert len(stamps) == 5 and all(isinstance(t, float) for t in stamps), stamps
+    assert before - 0.01 <= stamps[0] and stamps[-1] < read_at - 0.04, (before, stamps, read_at)
+    assert all(b - a >= 0.009 for a, b in zip(stamps, stamps[1:])), stamps   # 10 ms apart
+    # a socket without the option: the datagrams come, their stamps are None
+    tx.sendto(b"x", off.getsockname())
+    assert select.select([off], [], [], 5.0)[0]
+    none = []
+    assert impl.recv_batch(off, ring, 200, 64, none) == [(1, tx.getsockname())] and none == [None]
+
+
 # --- send_batch ---------------------------------------------------------------------------------
 
 def gathered(i):

@@ -139,25 +139,28 @@ def test_a_read_after_the_server_paused_counts_its_bytes_in_the_window_they_came
     assert s.capacity == pytest.approx(20e6, rel=0.1)
 
 
-def _backlogged_reads(s, link, seconds, batch=64, nbytes=9000, pause=(50, 20), honest=True):
+def _backlogged_reads(s, link, seconds, batch=64, nbytes=9000, pause=(50, 20), honest=True,
+                      stamps=False, clock=1.7e9):
     """Packets reach a socket at ``link`` bytes/s; the server reads at most ``batch`` of them
     per read, a read every 0.5 ms, but pauses ``pause[1]`` ms in every ``pause[0]`` (a busy
     CPU), so it falls behind and then catches up with full reads.  ``honest``: tell the share
-    whether each read drained the socket (the receiver does); False: claim it always did."""
-    t, arrived, queued = 0.0, 0.0, 0
+    whether each read drained the socket (the receiver does); False: claim it always did.
+    ``stamps``: also give each packet its arrival time, on another clock (``clock`` + t)."""
+    t, arrived, queue, step = 0.0, 0.0, collections.deque(), 0.0005
     while t < seconds:
-        t += 0.0005
-        arrived += link * 0.0005
+        t += step
+        arrived += link * step
         while arrived >= nbytes:
             arrived -= nbytes
-            queued += 1
+            queue.append(t - arrived / link)        # when it came in
         if int(t * 1000) % pause[0] < pause[1]:
             continue
-        while queued:                       # the server's loop: reads until one comes back short
-            n = min(batch, queued)
-            queued -= n
+        while queue:                        # the server's loop: reads until one comes back short
+            n = min(batch, len(queue))
             for _ in range(n):
-                s.on_packet(0, nbytes, t, n < batch if honest else True)
+                came = queue.popleft()
+                s.on_packet(0, nbytes, t, n < batch if honest else True,
+                            clock + came if stamps else None)
             if n < batch:
                 break
             t += n * 20e-6                  # the batch's processing time: later reads, later now
@@ -173,6 +176,30 @@ def test_reads_that_leave_a_backlog_do_not_start_a_window_so_catching_up_is_not_
     _backlogged_reads(fooled, 50e6, 3.0, honest=False)
     assert fooled.capacity > 1.2 * 50e6            # the scenario does show the bias ...
     assert honest.capacity == pytest.approx(50e6, rel=0.06)   # ... and the fix removes it
+
+
+def test_with_the_kernels_arrival_stamps_the_windows_are_the_links_however_late_the_reads():
+    # the receiver reads SO_TIMESTAMPNS: each packet counts when it came, not when it was read,
+    # so even a server that claims every read drained its socket measures the link
+    stamped = Share(1)
+    _backlogged_reads(stamped, 50e6, 3.0, honest=False, stamps=True)
+    assert stamped.capacity == pytest.approx(50e6, rel=0.03)
+    assert stamped.grant(3.0) > 0          # the worker's activity still runs on ``now``
+
+
+def test_a_stamp_clock_that_steps_back_starts_the_windows_over():
+    s = Share(1)
+    end = _feed_stamped(s, 10e6, 0.5, clock=1000.0)
+    _feed_stamped(s, 10e6, 0.5, clock=500.0, start=end)          # the clock was set back
+    assert s.capacity == pytest.approx(10e6, rel=0.05)
+
+
+def _feed_stamped(s, rate, seconds, clock, start=0.0, nbytes=9000):
+    t = start
+    while t < start + seconds:
+        s.on_packet(0, nbytes, t, True, clock + t)
+        t += nbytes / rate
+    return t
 
 
 def test_a_link_that_got_slower_is_found_after_the_horizon():

@@ -5,6 +5,8 @@ from ._select import implementation
 
 _impl, IMPLEMENTATION = implementation("_ltp", "ltp_py", "ltp.pyx")
 recv_batch = _impl.recv_batch
+# turning a socket's receive timestamps on is one setsockopt: the twin's for both
+from .ltp_py import enable_stamps  # noqa: E402
 send_batch = _impl.send_batch
 open_batch = _impl.open_batch
 round_add = _impl.round_add

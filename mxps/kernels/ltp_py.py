@@ -5,7 +5,10 @@ module (MXPS_PURE_PYTHON=1 selects it).
   without blocking, datagram ``i`` into ``ring[i * slot_size:(i + 1) * slot_size]``; returns
   ``[(nbytes, (host, port)), ...]`` in arrival order, ``[]`` when nothing waits.  A datagram
   longer than ``slot_size`` is cut to it (as ``recvfrom_into`` does).  An error after the first
-  datagram ends the batch; the next call reports it (as ``recvmmsg`` does).
+  datagram ends the batch; the next call reports it (as ``recvmmsg`` does).  With a list
+  ``stamps`` (``recv_batch(..., stamps=[])``) it also appends each datagram's kernel arrival
+  time (``SO_TIMESTAMPNS``, turned on by ``enable_stamps(sock)``: float seconds of
+  ``time.time()``'s clock), None for a datagram that has none.
 - ``send_batch(sock, msgs)``: send ``msgs``, a list of ``(buffers, (host, port))`` (one
   datagram gathered from each message's buffers, which are not copied), without blocking, in
   order; returns how many were sent: 0 when the socket's send buffer is full at the first,
@@ -28,12 +31,17 @@ module calls the same functions), so a wrong argument fails the same way in both
 is wrong, before anything is read or sent.  IPv4 datagram sockets only (LTP's).
 """
 import socket
+import struct
 
 from ..ltp import packet as pk
 from .accum import add_into
 
 MAX_BATCH = 1024          # recvmmsg/sendmmsg take at most UIO_MAXIOV (1024) messages per call
 MAX_BUFFERS = 1024        # iovecs per datagram (IOV_MAX)
+# Linux's SO_TIMESTAMPNS (= SCM_TIMESTAMPNS; asm-generic value, not in Python's socket module):
+# a datagram's arrival time as a struct timespec of 64-bit seconds and nanoseconds
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+STAMP_SPACE = socket.CMSG_SPACE(16)
 
 
 def check_socket(sock, what):
@@ -118,15 +126,21 @@ def check_message(msg, index):
     return buffers, address(addr, index)
 
 
-def recv_batch(sock, ring, slot_size, max_batch):
-    """Read up to ``max_batch`` datagrams into the ring's slots (see module doc)."""
+def recv_batch(sock, ring, slot_size, max_batch, stamps=None):
+    """Read up to ``max_batch`` datagrams into the ring's slots (see module doc).  With a list
+    ``stamps``, append each datagram's arrival time: the kernel's receive timestamp
+    (``SO_TIMESTAMPNS``, which ``enable_stamps`` turns on; seconds of CLOCK_REALTIME, i.e.
+    ``time.time()``), or None if the datagram carried none."""
     view = check_recv(sock, ring, slot_size, max_batch)
     out = []
     flags = socket.MSG_DONTWAIT
     for i in range(max_batch):
+        slot = view[i * slot_size:(i + 1) * slot_size]
         try:
-            n, addr = sock.recvfrom_into(view[i * slot_size:(i + 1) * slot_size], slot_size,
-                                         flags)
+            if stamps is None:
+                n, addr = sock.recvfrom_into(slot, slot_size, flags)
+            else:
+                n, anc, _, addr = sock.recvmsg_into([slot], STAMP_SPACE, flags)
         except (BlockingIOError, InterruptedError):
             break
         except OSError:
@@ -134,7 +148,24 @@ def recv_batch(sock, ring, slot_size, max_batch):
                 break
             raise
         out.append((n, addr))
+        if stamps is not None:
+            stamps.append(stamp_of(anc))
     return out
+
+
+def stamp_of(ancdata):
+    """The SCM_TIMESTAMPNS of a datagram's ancillary data as float seconds, or None."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack_from("qq", data)
+            return sec + nsec * 1e-9
+    return None
+
+
+def enable_stamps(sock):
+    """Have the kernel stamp every datagram ``sock`` receives with its arrival time
+    (``SO_TIMESTAMPNS``; ``recv_batch(..., stamps=[])`` reads the stamps)."""
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
 
 
 def send_batch(sock, msgs):

@@ -27,7 +27,7 @@ import psutil
 
 from . import packet as pk
 from .share import Share
-from ..kernels.ltp import open_batch, recv_batch
+from ..kernels.ltp import enable_stamps, open_batch, recv_batch
 from ..wire.auth import Tally
 from ..wire.frame import dtype_of
 
@@ -132,6 +132,14 @@ class Receiver:
         self.paths = [None] * num_workers
         self.share = Share(num_workers)      # the ACKs' rate grant (ltp.share)
         self._drained = True                 # the last read emptied the socket
+        # the kernel stamps each datagram with its arrival (SO_TIMESTAMPNS): the share's rate
+        # windows use those times, not when the server got round to reading them
+        self._stamps, self._arrival = [], None
+        try:
+            enable_stamps(self.sock)
+        except OSError as e:        # no timestamps: windows from read times (share.on_packet)
+            log.warning("LTP: no receive timestamps on this socket (%s): the grant's rate "
+                        "windows use read times", e)
         self._now = 0.0
         self._open = [None] * num_workers     # per worker: (registered address, Tagger)
         self._by_addr = {}
@@ -173,7 +181,9 @@ class Receiver:
         """Read what is waiting (up to BATCH datagrams), hand each verified packet to
         ``handle(fields, payload, now)`` (the payload is only valid during the call), then send
         the ACKs.  Returns how many datagrams were read."""
-        got = recv_batch(self.sock, self._ring, SLOT, BATCH)
+        stamps = self._stamps
+        stamps.clear()
+        got = recv_batch(self.sock, self._ring, SLOT, BATCH, stamps)
         if not got:
             return 0
         view = self._view
@@ -181,6 +191,7 @@ class Receiver:
         self._drained = len(got) < BATCH     # the read emptied the socket (share.on_packet)
         for i, opened in enumerate(open_batch(view, SLOT, got, self._open, _itemsize)):
             size, addr = got[i]
+            self._arrival = stamps[i]
             if opened is None:         # refused: the reference checks say why
                 self._one(view[i * SLOT:i * SLOT + size], addr, handle, now, touched)
             else:
@@ -216,7 +227,7 @@ class Receiver:
         """A verified packet of ``nbytes``: counted, to be ACKed, handed on."""
         path.note(f.pn)
         path.acks.append(f.pn)
-        self.share.on_packet(f.worker, nbytes, now, self._drained)
+        self.share.on_packet(f.worker, nbytes, now, self._drained, self._arrival)
         self._now = now
         touched.add(f.worker)
         self.counts["packets"] += 1

@@ -24,10 +24,14 @@ with every busy path paced at the grant.  A window fuller than the link cannot h
 high rank is a lower bound of the link that only a real window raises; not the very highest
 (``RANK`` > 1), so that one odd window is ignored.  A time horizon, not a count of windows, so
 that the windows of a slow stretch (a backward pass) do not push out the full ones of the last
-push phase.  The server reads its socket in batches: a window runs from one read to a later
-one and counts the bytes of the reads after its start (they arrived within it); counting a
-read in the window in which it happened put the bytes that came during a pause (a busy CPU)
-into the next window, 1.5-2.2x the link (tests/test_ltp_share.py).
+push phase.  The windows run on the kernel's arrival time of each packet (SO_TIMESTAMPNS, read
+with the batch: session 11), so when the server got round to reading a packet does not matter.
+Without stamps (a socket that refuses the option) they run on read times: the server reads its
+socket in batches, a window runs from one read to a later one and counts the bytes of the reads
+after its start (they arrived within it), and it starts only at a read that drained the socket;
+counting a read in the window in which it happened put the bytes that came during a pause (a
+busy CPU) into the next window, 1.5-2.2x the link, and starting a window at a read that left a
+backlog counted the catching up, 1.45x (tests/test_ltp_share.py).
 
 Only bytes that arrived count, not the packet numbers that were skipped (lost on the way):
 counting the skipped ones measured the sending rate, which the grant itself sets, so with a
@@ -83,7 +87,7 @@ class Share:
         self._last = [None] * num_workers
         self.capacity = None
 
-    def on_packet(self, worker, nbytes, now, drained=True):
+    def on_packet(self, worker, nbytes, now, drained=True, arrival=None):
         """A packet of ``nbytes`` from ``worker`` was read at ``now`` (the packets of one
         batch read share their ``now``); ``drained``: that read emptied the socket (it returned
         fewer datagrams than it could take).  A window runs from one read to a later one and
@@ -93,8 +97,19 @@ class Share:
         came before it, and counting that backlog measured how fast the server caught up, not
         the link (issue #11: 72 MB/s of capacity on a 50 MB/s link, 13-17% of the packets
         dropped by its queue with no random loss).  A batch read after a pause does not count
-        the pause's bytes in the next window either."""
+        the pause's bytes in the next window either.
+
+        ``arrival``: the kernel's arrival time of the packet (SO_TIMESTAMPNS, another clock
+        than ``now``; None if there is none).  With it each packet is its own "read" at the
+        moment it arrived, drained by definition: the windows are the link's own schedule,
+        whenever the server read them (``now`` still says when the worker was last active)."""
         self._last[worker] = now
+        if arrival is not None:
+            now, drained = arrival, True
+            if self._read is not None and now < self._read:
+                # a clock step back (the realtime clock was set): start over from here
+                self._read, self._start, self._bytes = now, now, 0
+                return
         if self._read is None:
             self._read, self._drained = now, drained
             self._start = now if drained else None
