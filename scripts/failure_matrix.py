@@ -54,10 +54,6 @@ HEARTBEAT_TIMEOUT = 3.0
 # while w1 is on its way): every node imports MXNet (~3 CPU-s) before it registers, and at
 # --parallel 4 on 2 cores that is 20 processes at once, ~30 s; 20 s failed in CI
 START_TIMEOUT = 60.0
-# ... but w1 of scheduler/starting (the scheduler lost while w1 is on its way) can only give up
-# at its own start timeout, whose clock starts after w1's MXNet import: 20 s there is not at
-# the mercy of the others' imports, and the cell takes ~25 s instead of ~60
-UNREGISTERED_START_TIMEOUT = 20.0
 # every other cell's phase comes after all nodes registered: a start deadline is not their point
 LATE_START_TIMEOUT = 150.0
 TRIGGER_TIMEOUT = 180.0      # for the phase to come (every node imports MXNet first)
@@ -109,8 +105,7 @@ class Cell:
         if self.phase == "before_register":
             return START_TIMEOUT + (30.0 if self.role == "scheduler" else 10.0)
         if self.phase == "starting" and self.role == "scheduler":
-            # w1 had not registered yet and waits out its own start timeout (see _setup)
-            return UNREGISTERED_START_TIMEOUT + 10.0
+            return START_TIMEOUT + 10.0     # one worker had not registered yet (see _setup)
         return HEARTBEAT_TIMEOUT + 10.0
 
 
@@ -156,7 +151,6 @@ def _setup(cell, out):
         # w0 registered (and marks it), w1 still on its way: the scheduler dies in between
         pause("w0", "welcome", 0.01)
         pause("w1", "register", 4.0)
-        role_env["w1"]["MXPS_START_TIMEOUT"] = str(UNREGISTERED_START_TIMEOUT)
         return env, role_env, ["welcome", "register"], victim
     if cell.phase == "mid_step":
         return env, role_env, ["ready_rank0.json", "ready_rank1.json"], victim
