@@ -653,3 +653,33 @@ def test_send_run_refuses_a_packet_without_bytes():
     with pytest.raises(ValueError, match="must be positive"):
         m.send_run(1, 1000, 3, 0.0, last_nbytes=0)
     assert m.inflight == 0 and m.sent_bytes == 0
+
+
+class SlowAcker(Bottleneck):
+    """A receiver on a busy machine: it ACKs at once now and then (``quick`` of the time),
+    otherwise ``hold`` seconds late (descheduled), so the minimum RTT is the wire's and the
+    smoothed one several times it."""
+
+    def __init__(self, rate, delay, quick=0.2, hold=(0.002, 0.006), **kw):
+        super().__init__(rate, delay, **kw)
+        self.quick, self.hold = quick, hold
+
+    def receive(self, now, sender, pn, nbytes):
+        sender.received(now, nbytes)
+        late = 0.0 if self.rng.random() < self.quick else self.rng.uniform(*self.hold)
+        self.at(now + self.delay + late, sender.acked, [pn])
+
+
+def test_a_path_held_by_the_grant_keeps_a_window_for_the_grant_at_the_rtt_it_sees():
+    # session 12: paths capped at the server's grant never left STARTUP (their samples are
+    # app-limited), their window was a BDP of the 0.1 ms minimum RTT, and with the server
+    # ACKing milliseconds late they delivered half of the grant
+    rate, ceiling = 50e6, 14e6
+    net = SlowAcker(rate, 0.00005, seed=3)
+    s = Pusher(net, PathRate(0.0, seed=1))
+    net.at(0.0005, lambda now: s.model.cap(ceiling))
+    net.run(0.6)
+    m = s.model.snapshot()
+    assert m["capped"] and m["min_rtt"] < 0.0005 and m["srtt"] > 0.002, m
+    assert s.rate(s.got, 0.2, 0.6) > 0.9 * ceiling, m
+    assert s.rate(s.sent, 0.2, 0.6) < 1.02 * ceiling           # ... and not above it

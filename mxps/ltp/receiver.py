@@ -131,10 +131,9 @@ class Receiver:
         self.budget = pk.payload_budget(self.mtu)
         self.paths = [None] * num_workers
         self.share = Share(num_workers)      # the ACKs' rate grant (ltp.share)
-        self._drained = True                 # the last read emptied the socket
         # the kernel stamps each datagram with its arrival (SO_TIMESTAMPNS): the share's rate
         # windows use those times, not when the server got round to reading them
-        self._stamps, self._arrival = [], None
+        self._stamps = []
         try:
             enable_stamps(self.sock)
         except OSError as e:        # no timestamps: windows from read times (share.on_packet)
@@ -188,20 +187,23 @@ class Receiver:
             return 0
         view = self._view
         touched = set()
-        self._drained = len(got) < BATCH     # the read emptied the socket (share.on_packet)
+        # for the share's rate windows: whether this read emptied the socket, and each
+        # packet's arrival stamp (share.on_packet)
+        read = (now, len(got) < BATCH)
         for i, opened in enumerate(open_batch(view, SLOT, got, self._open, _itemsize)):
             size, addr = got[i]
-            self._arrival = stamps[i]
             if opened is None:         # refused: the reference checks say why
-                self._one(view[i * SLOT:i * SLOT + size], addr, handle, now, touched)
+                self._one(view[i * SLOT:i * SLOT + size], addr, handle, read, stamps[i],
+                          touched)
             else:
                 f, payload = opened
-                self._accept(self.paths[f.worker], f, payload, size, handle, now, touched)
+                self._accept(self.paths[f.worker], f, payload, size, handle, read, stamps[i],
+                             touched)
         for w in touched:
             self._ack(w)
         return len(got)
 
-    def _one(self, dgram, addr, handle, now, touched):
+    def _one(self, dgram, addr, handle, read, arrival, touched):
         try:
             worker = pk.peek_worker(dgram)
         except pk.PacketError as e:
@@ -221,13 +223,16 @@ class Receiver:
         except pk.PacketError as e:
             self.drops(e.reason, "LTP: dropped a packet of worker %d: %s", worker, e)
             return
-        self._accept(path, f, payload, dgram.nbytes, handle, now, touched)
+        self._accept(path, f, payload, dgram.nbytes, handle, read, arrival, touched)
 
-    def _accept(self, path, f, payload, nbytes, handle, now, touched):
-        """A verified packet of ``nbytes``: counted, to be ACKed, handed on."""
+    def _accept(self, path, f, payload, nbytes, handle, read, arrival, touched):
+        """A verified packet of ``nbytes``, read at ``read`` = (time, the read drained the
+        socket), arrived at ``arrival`` (kernel stamp or None): counted, to be ACKed, handed
+        on."""
+        now, drained = read
         path.note(f.pn)
         path.acks.append(f.pn)
-        self.share.on_packet(f.worker, nbytes, now, self._drained, self._arrival)
+        self.share.on_packet(f.worker, nbytes, now, drained, arrival)
         self._now = now
         touched.add(f.worker)
         self.counts["packets"] += 1

@@ -348,13 +348,15 @@ class Sender:
                 path.waiting.remove(push)
 
     def path_rows(self, kind, t):
-        """One trace row per path (``trace.PATH_COLUMNS``) at wall time ``t``."""
+        """One trace row per path (``trace.PATH_COLUMNS``) at wall time ``t``: the rate
+        model's snapshot, its ceiling (the server's last grant) and the pushes queued."""
         rows = []
         for server, path in sorted(self.paths.items()):
-            r = path.rate
-            rows.append((kind, t, server, r.state, r.pacing_rate, r.btl_bw, r.max_rate,
-                         r.min_rtt, r.inflight, len(path.queue) + len(path.waiting),
-                         r.sent_bytes, r.delivered_bytes, r.lost_bytes))
+            m = path.rate.snapshot()
+            rows.append((kind, t, server, m["state"], m["pacing_rate"], m["btl_bw"],
+                         path.rate.max_rate, m["min_rtt"], m["srtt"], m["cwnd"], m["inflight"],
+                         len(path.queue) + len(path.waiting), m["sent_bytes"],
+                         m["delivered_bytes"], m["lost_bytes"]))
         return rows
 
     def oldest_end(self):

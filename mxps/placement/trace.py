@@ -39,7 +39,8 @@ worker ``paths`` (MXPS_PUSH=ltp only: the I/O thread, every ``PATH_SAMPLE`` s wh
     has LTP paths; ``PATH_COLUMNS``)
     ``ltp_path``: one row per path to a server: its BBR state, pacing rate, bottleneck rate
     estimate, ``ceiling`` (the server's last grant, the rate the path may not exceed), minimum
-    RTT, bytes in flight, pushes queued or awaiting their END's ACK, and the path's sent,
+    and smoothed RTT, congestion window (bytes; None while it is open: no RTT sample yet),
+    bytes in flight, pushes queued or awaiting their END's ACK, and the path's sent,
     delivered and lost byte counters (bytes/s, s, bytes).
 server ``data`` (``SERVER_DATA_COLUMNS``; ``worker`` -1 where no worker applies)
     ``push_arrived``, ``round_complete`` (all W pushes summed and the optimizer applied, or the
@@ -68,7 +69,8 @@ REQUEST_COLUMNS = ("kind", "time", "round", "server", "key", "offset", "length",
                    "plan_version", "request")
 POINT_COLUMNS = ("kind", "time", "round", "plan_version", "new_version", "full")
 PATH_COLUMNS = ("kind", "time", "server", "state", "pacing_rate", "btl_bw", "ceiling", "min_rtt",
-                "inflight", "queued", "sent_bytes", "delivered_bytes", "lost_bytes")
+                "srtt", "cwnd", "inflight", "queued", "sent_bytes", "delivered_bytes",
+                "lost_bytes")
 SERVER_DATA_COLUMNS = ("kind", "time", "round", "key", "offset", "length", "worker", "bytes",
                        "plan_version", "request")
 SERVER_PLAN_COLUMNS = ("kind", "time", "plan_version", "key", "offset", "length", "peer",
