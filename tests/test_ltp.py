@@ -1122,8 +1122,6 @@ def test_ltp_with_5_percent_of_packets_dropped_finishes_synchronised_and_reports
         assert rep["mtu"] == 1500 and rep["budget"] == pk.payload_budget(1500), rep
         assert not rep["drops"], rep                 # nothing forged, nothing malformed
         assert {k for k in stats if k.startswith("drop_")} <= {"drop_late"}, rep
-        # the share timed the server's reads (is it keeping up with its link?)
-        assert rep["read_windows"] > 0 and 0 <= rep["behind_windows"] <= rep["read_windows"]
         expected += stats["packets_expected"]
         received += stats["packets_received"]
         late += stats.get("drop_late", 0)

@@ -130,7 +130,6 @@ class Share:
         self._rbytes = 0
         self._rbehind = True            # every read of the window found a standing backlog
         self.server_rate = None         # what the server reads while behind (None: keeps up)
-        self.read_windows = self.behind_windows = 0     # counters for the server's report
 
     def on_packet(self, worker, nbytes, now, drained=True, arrival=None):
         """A packet of ``nbytes`` from ``worker`` was read at ``now`` (the packets of one
@@ -202,9 +201,7 @@ class Share:
         if now - start < WINDOW:
             return
         rate = self._rbytes / (now - start)
-        self.read_windows += 1
         if self._rbehind:
-            self.behind_windows += 1
             self.server_rate = rate
         elif self.server_rate is not None:
             self.server_rate *= RELAX

@@ -285,10 +285,7 @@ class Server:
         report = {"server": self.rank, "stats": dict(self.state.ltp_stats),
                   "receiver": dict(self.ltp.counts), "drops": dict(self.ltp.drops.counts),
                   "loss_estimate": self.ltp.loss, "budget": self.ltp.budget,
-                  "mtu": self.ltp.mtu, "capacity": self.ltp.share.capacity,
-                  "server_rate": self.ltp.share.server_rate,
-                  "read_windows": self.ltp.share.read_windows,
-                  "behind_windows": self.ltp.share.behind_windows}
+                  "mtu": self.ltp.mtu, "capacity": self.ltp.share.capacity}
         self._report("ltp", report)
         self.ltp.close()
 
