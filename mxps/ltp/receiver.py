@@ -22,7 +22,6 @@ import json
 import logging
 import secrets
 import socket
-import time
 
 import psutil
 
@@ -186,7 +185,6 @@ class Receiver:
         got = recv_batch(self.sock, self._ring, SLOT, BATCH, stamps)
         if not got:
             return 0
-        wall = time.time()                  # the stamps' clock (CLOCK_REALTIME)
         view = self._view
         touched = set()
         # for the share's rate windows: whether this read emptied the socket, and each
@@ -201,10 +199,6 @@ class Receiver:
                 f, payload = opened
                 self._accept(self.paths[f.worker], f, payload, size, handle, read, stamps[i],
                              touched)
-        # how long the newest datagram had waited in the socket: the server's own backlog
-        newest = max((t for t in stamps if t is not None), default=None)
-        self.share.on_read(now, sum(size for size, _ in got), read[1],
-                           None if newest is None else max(0.0, wall - newest))
         for w in touched:
             self._ack(w)
         return len(got)

@@ -66,20 +66,6 @@ once; then 1.0-1.2% are dropped at 256 KB to 4 MB, about what the probe window i
 on a full link, and a lone sender reaches the link in 3 windows.  The gain is applied after the
 ramp (a ramp on the grant itself would cut the 1.15 window short).  Pure: every method takes
 ``now``.
-
-The link is not the only limit: a server on a busy machine may read slower than its link
-delivers (session 12, resnet18 on 3 x 3 on 2 cores: the fast servers took about 21 MB/s from 50
-MB/s links), and since the capacity runs on arrival stamps the grants followed the link while
-the difference queued in the server's socket (a smoothed RTT of 95 ms, 0.7 MB in flight per
-path, and the ACKs that end every push waiting behind it).  So the server also times how long
-the newest datagram of each read had waited in its socket (the read's wall time minus its
-arrival stamp; without stamps, whether the read left datagrams behind): a ``WINDOW`` of reads
-that all found such a backlog, ``SOJOURN`` (5 ms, CoDel's target) or more, measures what the
-server can take, and the grants then share ``DRAIN`` (0.9) of that, so the backlog drains; each
-window that keeps up relaxes the limit by ``RELAX`` until it reaches the capacity (simulated in
-tests/test_ltp_share.py: a 20 MB/s server behind a 50 MB/s link, read at full speed with a mean
-sojourn of 6 ms, against 209 ms and 28 K datagrams dropped by the socket without the limit).  A
-server that pauses and then catches up reads fast, so a pause sets no limit.
 """
 import heapq
 from collections import deque
@@ -91,11 +77,6 @@ ACTIVE = 0.05          # a worker is active if a packet of it came within this m
 #                        (5 windows: a worker paced at its share sends every few ms; one
 #                        that stopped leaves its share to the others: session 12, below)
 RAMP = 1.5             # a worker's share grows at most this much per WINDOW (falls at once)
-SOJOURN = 0.005        # s: the newest packet of every read of a window had waited this long in
-#                        the server's socket: the server, not the link, is behind (CoDel's target)
-DRAIN = 0.9            # while the server is behind: grant this much of what it reads, so that
-#                        its backlog drains
-RELAX = 1.1            # per window the server keeps up: its rate limit relaxes by this much
 GAINS = (1.15, 0.85, 1.0, 1.0)   # the grant's gain over an exact share, one WINDOW each, in turn
 #                        (the same phase for every worker: the sum of their rates probes)
 
@@ -126,10 +107,6 @@ class Share:
         self._last = [None] * num_workers
         self._sent = [None] * num_workers     # (grant, time) last sent to each worker
         self.capacity = None
-        self._rstart = None             # the server's read window: reads in (start, last]
-        self._rbytes = 0
-        self._rbehind = True            # every read of the window found a standing backlog
-        self.server_rate = None         # what the server reads while behind (None: keeps up)
 
     def on_packet(self, worker, nbytes, now, drained=True, arrival=None):
         """A packet of ``nbytes`` from ``worker`` was read at ``now`` (the packets of one
@@ -184,41 +161,6 @@ class Share:
             samples.popleft()
         self.capacity = kth_highest([r for _, r in samples])
 
-    def on_read(self, now, nbytes, drained=True, sojourn=None):
-        """The server read ``nbytes`` at ``now`` (one batch read); ``sojourn``: how long the
-        newest datagram of that read had waited in the socket (the read's wall time minus its
-        kernel arrival stamp; None without stamps, then a read that left datagrams behind,
-        not ``drained``, counts as behind).  A window of reads (``WINDOW`` of read time) in
-        which every read was behind measures what the server can take, ``server_rate``, and
-        the grant is held under it; a window that kept up relaxes it by ``RELAX``."""
-        behind = (sojourn >= SOJOURN) if sojourn is not None else not drained
-        start = self._rstart
-        if start is None or now - start >= 4 * WINDOW:     # the first read, or after a gap
-            self._rstart, self._rbytes, self._rbehind = now, 0, True
-            return
-        self._rbytes += nbytes
-        self._rbehind = self._rbehind and behind
-        if now - start < WINDOW:
-            return
-        rate = self._rbytes / (now - start)
-        if self._rbehind:
-            self.server_rate = rate
-        elif self.server_rate is not None:
-            self.server_rate *= RELAX
-            if self.capacity is not None and self.server_rate >= self.capacity:
-                self.server_rate = None
-        self._rstart, self._rbytes, self._rbehind = now, 0, True
-
-    def limit(self):
-        """What the workers may send in all (bytes/s, before the probe's gain): the link's
-        capacity, or under a server that is behind, ``DRAIN`` of what it reads; None before
-        the first sample."""
-        if self.capacity is None:
-            return None
-        if self.server_rate is None:
-            return self.capacity
-        return min(self.capacity, DRAIN * self.server_rate)
-
     def grant(self, now, worker=None):
         """The rate (bytes/s) each active worker is asked not to exceed at ``now``: the
         ``gain(now)`` times an equal share of the capacity among the active workers; 0 before
@@ -226,13 +168,12 @@ class Share:
         to send that worker now, its share held to ``RAMP`` per ``WINDOW`` above the last one
         sent to it (and remembered as sent; the gain is applied after the ramp, so the probe
         passes it whole)."""
-        limit = self.limit()
-        if limit is None:
+        if self.capacity is None:
             return 0.0
         active = sum(1 for last in self._last if last is not None and now - last <= ACTIVE)
         if not active:
             return 0.0
-        fair = limit / active
+        fair = self.capacity / active
         if worker is not None:
             sent = self._sent[worker]
             if sent is not None:
