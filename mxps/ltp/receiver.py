@@ -242,8 +242,7 @@ class Receiver:
     def _ack(self, worker):
         path = self.paths[worker]
         pns, path.acks = path.acks, []
-        for dgram in pk.encode_acks(path.tagger, worker, pns,
-                                     self.share.grant(self._now, worker)):
+        for dgram in pk.encode_acks(path.tagger, worker, pns, self.share.grant(self._now)):
             try:
                 self.sock.sendto(dgram, path.addr)
                 self.counts["acks"] += 1

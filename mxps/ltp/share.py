@@ -46,26 +46,7 @@ start in 2.5-3 s (x25), random loss does not lower it (the probe's windows deliv
 (1 - p) of the capacity), and a full link sees 1.5 ms of queue per probe and its average
 (a continuous 10% margin would overrun a full link by 9% all the time: with it, and reads
 counted where they happened, the incast benchmark delivered 76% of its packets in time, 93%
-before issue #11).
-
-A worker is active while it sends: a packet of it within ``ACTIVE`` (50 ms), and only the
-active share the capacity, so a lone sender gets the link.  Until session 12 a worker counted
-for 0.5 s after its last packet ("longer than a step's compute, so that a round's early pushers
-do not get the whole link before the others start"): with many keys on 3 servers the pushes of
-the workers to one server seldom overlap, each was paced at a third of the capacity while the
-others were silent, no window filled, and the capacity stayed where it was (traced: every path
-paced at the grant, 23.7 and 29.0 MB/s on 50 MB/s links; simulated in tests/test_ltp_share.py:
-2 MB pushes took 5x the link's time, the capacity stuck at 29 MB/s).  What the long horizon
-guarded against is the start of a synchronous round, when the first workers heard are alone for
-a moment and the others come within a round trip: an exact share of the moment sends the first
-ACKs with the whole link in them, and eight workers at once overran a 2 ms queue (simulated, 8
-x 256 KB pushes: 4.0% of the packets dropped, 0.3% with the 0.5 s horizon).  The ramp is the
-guard instead: a worker's share rises at most ``RAMP`` per ``WINDOW`` from the last one sent to
-it (and a worker back from idle gets at most ``RAMP`` times its last), while a fall is sent at
-once; then 1.0-1.2% are dropped at 256 KB to 4 MB, about what the probe window itself overruns
-on a full link, and a lone sender reaches the link in 3 windows.  The gain is applied after the
-ramp (a ramp on the grant itself would cut the 1.15 window short).  Pure: every method takes
-``now``.
+before issue #11).  Pure: every method takes ``now``.
 """
 import heapq
 from collections import deque
@@ -73,10 +54,9 @@ from collections import deque
 WINDOW = 0.01          # seconds per rate sample
 HORIZON = 10.0         # seconds: capacity is a high rank of the samples of this long ...
 RANK = 2               # ... the RANK-th highest (a lone burst from a late read is ignored)
-ACTIVE = 0.05          # a worker is active if a packet of it came within this many seconds
-#                        (5 windows: a worker paced at its share sends every few ms; one
-#                        that stopped leaves its share to the others: session 12, below)
-RAMP = 1.5             # a worker's share grows at most this much per WINDOW (falls at once)
+ACTIVE = 0.5           # a worker is active if a packet of it came within this many seconds
+#                        (longer than a training step's compute: a round's early pushers do
+#                        not get the whole link just because the others have not started)
 GAINS = (1.15, 0.85, 1.0, 1.0)   # the grant's gain over an exact share, one WINDOW each, in turn
 #                        (the same phase for every worker: the sum of their rates probes)
 
@@ -105,7 +85,6 @@ class Share:
         self._bytes = 0
         self._samples = deque()         # (window end, bytes/s), oldest first
         self._last = [None] * num_workers
-        self._sent = [None] * num_workers     # (grant, time) last sent to each worker
         self.capacity = None
 
     def on_packet(self, worker, nbytes, now, drained=True, arrival=None):
@@ -161,23 +140,14 @@ class Share:
             samples.popleft()
         self.capacity = kth_highest([r for _, r in samples])
 
-    def grant(self, now, worker=None):
+    def grant(self, now):
         """The rate (bytes/s) each active worker is asked not to exceed at ``now``: the
-        ``gain(now)`` times an equal share of the capacity among the active workers; 0 before
-        the first sample (no grant: the workers' own models rule).  With ``worker``: the grant
-        to send that worker now, its share held to ``RAMP`` per ``WINDOW`` above the last one
-        sent to it (and remembered as sent; the gain is applied after the ramp, so the probe
-        passes it whole)."""
+        ``gain(now)`` times an equal share of the capacity; 0 before the first sample (no
+        grant: the workers' own models rule)."""
         if self.capacity is None:
             return 0.0
-        active = sum(1 for last in self._last if last is not None and now - last <= ACTIVE)
+        active = [w for w in range(self.n)
+                  if self._last[w] is not None and now - self._last[w] <= ACTIVE]
         if not active:
             return 0.0
-        fair = self.capacity / active
-        if worker is not None:
-            sent = self._sent[worker]
-            if sent is not None:
-                grown = RAMP ** (min(max(now - sent[1], 0.0), WINDOW) / WINDOW)
-                fair = min(fair, sent[0] * grown)
-            self._sent[worker] = (fair, now)
-        return gain(now) * fair
+        return gain(now) * self.capacity / len(active)
