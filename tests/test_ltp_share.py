@@ -188,10 +188,13 @@ def test_with_the_kernels_arrival_stamps_the_windows_are_the_links_however_late_
 
 
 def test_a_stamp_clock_that_steps_back_starts_the_windows_over():
+    # without starting over, every later stamp fell before the window's start: no window
+    # ever closed again and the capacity stayed what it was before the step
     s = Share(1)
     end = _feed_stamped(s, 10e6, 0.5, clock=1000.0)
-    _feed_stamped(s, 10e6, 0.5, clock=500.0, start=end)          # the clock was set back
     assert s.capacity == pytest.approx(10e6, rel=0.05)
+    _feed_stamped(s, 20e6, 0.5, clock=500.0, start=end)          # the clock was set back
+    assert s.capacity == pytest.approx(20e6, rel=0.05)           # ... and windows still close
 
 
 def _feed_stamped(s, rate, seconds, clock, start=0.0, nbytes=9000):

@@ -183,11 +183,6 @@ class PathRate:
         return self._pacing
 
     @property
-    def delivered_bytes(self):
-        """Bytes the ACKs have confirmed so far."""
-        return self._delivered
-
-    @property
     def cwnd(self):
         return int(self._cwnd) if not self._cwnd_open else _BIG
 
