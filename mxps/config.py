@@ -76,6 +76,7 @@ class Config:
     ltp_mtu: int = 0                # 0: the server's interface MTU
     ltp_drop: float = 0.0           # test-only: drop this fraction of DATA packets at the sender
     ltp_seed: int = 0
+    ltp_quantum: float = 0.001      # s: a paced path is pumped at most this often (ltp.sender)
     # test-only fault injection (docs/SETTINGS.md): pause at ``fault_point`` for
     # ``fault_hold`` seconds after announcing it in ``fault_dir`` (see roles.link.fault_point)
     fault_point: str = ""
@@ -204,10 +205,15 @@ def _ltp(env):
     if mtu and mtu < 576:
         raise ConfigError("MXPS_LTP_MTU=%d: IPv4 paths carry at least 576 bytes; use 576 or "
                           "more (or 0: the server's interface MTU)" % mtu)
+    quantum = _float(env, "MXPS_LTP_QUANTUM", 0.001, minimum=-1.0)
+    if not 0 <= quantum <= 1:
+        raise ConfigError("MXPS_LTP_QUANTUM=%s: seconds in [0, 1] (0: pump for every packet)"
+                          % quantum)
     return dict(push=push, ltp_fill=fill, ltp_ratio=ratio, ltp_deadline=deadline,
                 ltp_grace=_float(env, "MXPS_LTP_GRACE", 0.002),
                 ltp_min_bytes=_int(env, "MXPS_LTP_MIN_BYTES", 65536, minimum=0),
-                ltp_mtu=mtu, ltp_drop=drop, ltp_seed=_int(env, "MXPS_LTP_SEED", 0))
+                ltp_mtu=mtu, ltp_drop=drop, ltp_seed=_int(env, "MXPS_LTP_SEED", 0),
+                ltp_quantum=quantum)
 
 
 MIN_SECRET_BYTES = 16

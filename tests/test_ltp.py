@@ -1041,6 +1041,64 @@ def test_the_pump_that_resends_an_end_says_when_the_next_resend_is_due(link_fact
     assert wake is not None and wake > due
 
 
+@pytest.mark.parametrize("pace", [5e6, 100e6])
+def test_a_paced_path_is_pumped_a_quantum_apart_and_keeps_its_rate(pace):
+    """The I/O loop pumps at the wake ``pump`` returns; a path held back by its pacing asks
+    for the next pump a quantum (2 ms, or half its pacing credit if shorter) later, not when
+    its next packet is due, and the credit sends the quantum's packets in one go: the rate
+    is kept (simulated time; the datagrams go to a socket nobody reads)."""
+    sink = udp()
+    tx = Sender(0, LOOP)
+    try:
+        t = 100.0
+        body = json.dumps({"port": sink.getsockname()[1], "key": bytes(32).hex(),
+                           "budget": pk.payload_budget(1500)})
+        tx.add_path(0, LOOP, body.encode(), t, initial_rate=pace)
+        path = tx.paths[0]
+        path.rate.cap(pace)
+        n = 1 << 23                      # 32 MB: more than 0.2 s at 100 MB/s
+        h = Header(MsgType.PUSH, key=9, sender=0, iteration=1, length=n, dtype=F32)
+        tx.enqueue(0, h, np.zeros(n, np.float32), 4, "push")
+        quantum = min(0.001, path.rate.credit / 2)     # MXPS_LTP_QUANTUM's default
+        start, gaps, wake = t, [], t
+        while t < start + 0.2:
+            before = tx.counts["data"]
+            wake = tx.pump(t)
+            assert wake is not None and wake > t
+            if tx.counts["data"] > before:
+                gaps.append(wake - t)
+            t = wake
+            sink.setblocking(False)
+            try:
+                while True:
+                    sink.recv(65536)
+            except BlockingIOError:
+                pass
+        rate_now = path.rate.pacing_rate         # the cap, less the model's pacing margin
+        assert 0.95 * pace <= rate_now <= pace
+        sent = path.rate.sent_bytes / (t - start)
+        assert 0.95 * rate_now <= sent <= 1.05 * rate_now, (sent, rate_now)
+        # every pump that sent asks for the next no sooner than the quantum (without it: the
+        # next packet's time, 0.3 ms at 5 MB/s)
+        assert min(gaps) >= quantum * (1 - 1e-9), (min(gaps), quantum)
+        assert len(gaps) <= 1.05 * 0.2 / quantum + 1
+    finally:
+        tx.close()
+        sink.close()
+
+
+def test_the_pacing_quantum_is_read_from_its_setting_and_a_bad_one_refused_by_name():
+    from mxps import config
+    base = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000",
+            "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "MXPS_PUSH": "ltp"}
+    assert config.from_env(base).ltp_quantum == 0.001
+    assert config.from_env(dict(base, MXPS_LTP_QUANTUM="0")).ltp_quantum == 0.0
+    assert config.from_env(dict(base, MXPS_LTP_QUANTUM="0.004")).ltp_quantum == 0.004
+    for bad in ("-0.001", "2", "fast"):
+        with pytest.raises(config.ConfigError, match="MXPS_LTP_QUANTUM"):
+            config.from_env(dict(base, MXPS_LTP_QUANTUM=bad))
+
+
 def test_packet_numbers_wrap_around_instead_of_failing_the_send(link_factory):
     link = link_factory(1000)
     link.tx.paths[0].pn = 2 ** 32 - 2

@@ -191,6 +191,12 @@ class PathRate:
         return self._inflight
 
     @property
+    def credit(self):
+        """Seconds of pacing credit a late sender may spend at once (``burst`` s of data at
+        the pacing rate, 2 packets to 64 KB)."""
+        return self._credit()
+
+    @property
     def pacing_gain(self):
         if self.state == STARTUP:
             return STARTUP_GAIN

@@ -43,6 +43,15 @@ MAX_RTO = 1.0
 # queue was never empty sent 25-31% of its pacing rate (measured, issue #11: resnet18, 3 x 3,
 # paths paced at 7-19 MB/s sent 2-5 MB/s).  The model still bounds a burst to 64 KB.
 PUMP_CREDIT = 0.004
+# A path held back by its pacing is pumped again no sooner than this later (MXPS_LTP_QUANTUM) (or half its credit,
+# if that is shorter): the credit then sends what came due meanwhile in one call.  Waking for
+# the next single packet made the I/O loop a main cost of the worker: measured (issue #11,
+# resnet18, 3 x 3, MTU 1500, docs/bench/RESULTS.md), 85% of its ~950 turns a second found a
+# packet already due and pumped ~8 packets, and a turn costs its Python whatever it sends
+# (15.5 us of the I/O thread's CPU per packet sent; with the quantum ~400 turns a second,
+# 11.3 us).  Linux's TCP paces bursts of ~1 ms of data too (TSO autosizing, sk_pacing_shift).
+# The loop sleeps whole milliseconds rounded up (roles.worker), so 1 ms here is a 1-2 ms sleep.
+PACING_QUANTUM = 0.001
 ACK_BATCH = 64             # ACK datagrams per read
 ACK_SLOT = 4096            # an ACK: a 12-byte head, pk.MAX_ACK_RANGES ranges of 8, the tag: 1052
 IP_MTU = getattr(socket, "IP_MTU", 14)
@@ -99,8 +108,10 @@ class _Path:
 class Sender:
     """The UDP socket of worker ``worker`` and one path per server."""
 
-    def __init__(self, worker, host, drop=0.0, seed=0, itemsize_of=None):
+    def __init__(self, worker, host, drop=0.0, seed=0, itemsize_of=None,
+                 quantum=PACING_QUANTUM):
         self.worker = worker
+        self.quantum = quantum
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         big_buffer(self.sock, socket.SO_SNDBUF, SO_SNDBUFFORCE, SNDBUF)
         big_buffer(self.sock, socket.SO_RCVBUF, SO_RCVBUFFORCE, 1 << 20)
@@ -187,6 +198,7 @@ class Sender:
             size = self._next_size(push) + pk.OVERHEAD
             t = rate.next_send_time(size, now)
             if t > now:
+                t = max(t, now + min(self.quantum, rate.credit / 2))
                 wake = t if wake is None else min(wake, t)
                 break
             if push.next < push.n:

@@ -123,7 +123,8 @@ class Client:
         self._ltp_wake = None
         if cfg.push == "ltp" and cfg.sync:
             from ..ltp.sender import Sender
-            self.ltp = Sender(self.rank, host, cfg.ltp_drop, cfg.ltp_seed)
+            self.ltp = Sender(self.rank, host, cfg.ltp_drop, cfg.ltp_seed,
+                              quantum=cfg.ltp_quantum)
         self._thread = threading.Thread(target=self._io_loop, name="mxps-io", daemon=True)
         self._thread.start()
         if self.ltp is not None:
