@@ -5,7 +5,7 @@ loopback (issue #11, part 6; target >= 1 Gbit/s per core of the receiver).
 One sender process sends DATA packets of a float32 gradient slice (64 MB by default) as fast as
 its window allows, round after round, at one receiver process that runs the server's real code
 path: ``ltp.receiver.Receiver.receive`` (read a batch, check address and tag, decode, ACK after
-the batch) handing every packet to ``roles.server_state.ServerState.on_packet`` (the round's
+the batch) handing every packet to ``roles.server_state.ServerState.take_packet`` (the round's
 bookkeeping and the scatter-add into its accumulator, Early Close, the round's completion), the
 way ``roles.server`` does; one worker, the acceptance ratio 1 (every packet is waited for), no
 optimizer (the server serves the sum).  The sender keeps a window of packets in flight from the
@@ -190,9 +190,10 @@ def receiver(args):
     print(reply.decode(), flush=True)
 
     summed = [0]
+    take = state.take_packet
 
-    def handle(f, payload, now):      # as roles.server's _on_packet (which sends the Outs)
-        state.on_packet(f, payload, now)
+    def handle(f, payload, now):      # as roles.server, which sends state.outs() per batch
+        take(f, payload, now)
         summed[0] += payload.nbytes   # END: 0; dropped packets are counted in state_drops
 
     poll = select.poll()
@@ -215,6 +216,7 @@ def receiver(args):
                 first, cpu_first = now, _rusage_cpu()
             for _ in range(BATCH):
                 got = rx.receive(handle, now)
+                state.outs()
                 if not got:
                     break
                 datagrams += got

@@ -692,6 +692,30 @@ def test_a_pull_of_a_round_is_answered_only_once_the_round_closed():
     np.testing.assert_allclose(got[2 * EPP:3 * EPP], 2.0 * 2)     # rescaled: 2 workers / 1
 
 
+def test_packets_taken_in_a_batch_answer_a_waiting_pull_as_on_packet_does_one_by_one():
+    """The server reads packets in batches: ``take_packet`` per packet, ``outs()`` after the
+    batch, the same answers (with ratio 1 the last packet closes the round and answers the
+    pull) as ``on_packet``'s per packet, and nothing twice."""
+    one, batch = ltp_server(2, ratio=1.0), ltp_server(2, ratio=1.0)
+    c1, c2 = Clock(), Clock()
+    for s in (one, batch):
+        assert send(s, MsgType.PULL, KEY, w=1, it=1, length=N) == []
+    packets = []
+    for w, g in enumerate(GRADS2):
+        pkts, end = push_packets(g, w, 1)
+        packets += [p for _, p in sorted(pkts.items())] + [end]
+    want = feed(one, packets, c1)
+    assert [o.header.type for o in want] == [MsgType.DATA]
+    for f, payload in packets:
+        assert batch.take_packet(f, payload, c2()) is None
+    got = batch.outs()
+    assert batch.outs() == []
+    assert [(o.to, o.dest, o.header.type, o.header.iteration) for o in got] == \
+        [(o.to, o.dest, o.header.type, o.header.iteration) for o in want]
+    assert value_of(got[0]).tobytes() == value_of(want[0]).tobytes()
+    assert batch.slots[(KEY, 0)].applied == one.slots[(KEY, 0)].applied == 1
+
+
 @pytest.mark.parametrize("tcp_first", [True, False], ids=["tcp_first", "packets_first"])
 def test_a_tcp_push_of_one_worker_and_packets_of_the_other_make_one_round(tcp_first):
     s = ltp_server(2, SGD)
