@@ -43,8 +43,9 @@ MAX_RTO = 1.0
 # queue was never empty sent 25-31% of its pacing rate (measured, issue #11: resnet18, 3 x 3,
 # paths paced at 7-19 MB/s sent 2-5 MB/s).  The model still bounds a burst to 64 KB.
 PUMP_CREDIT = 0.004
-# A path held back by its pacing is pumped again no sooner than this later (MXPS_LTP_QUANTUM) (or half its credit,
-# if that is shorter): the credit then sends what came due meanwhile in one call.  Waking for
+# A path held back by its pacing (or its window) is pumped again no sooner than this later
+# (MXPS_LTP_QUANTUM), or half its pacing credit if that is shorter, so that a fast path loses
+# no rate to it: the credit then sends what came due meanwhile in one call.  Waking for
 # the next single packet made the I/O loop a main cost of the worker: measured (issue #11,
 # resnet18, 3 x 3, MTU 1500, docs/bench/RESULTS.md), 85% of its ~950 turns a second found a
 # packet already due and pumped ~8 packets, and a turn costs its Python whatever it sends
