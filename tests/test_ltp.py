@@ -1068,7 +1068,7 @@ def test_the_pump_that_resends_an_end_says_when_the_next_resend_is_due(link_fact
 @pytest.mark.parametrize("pace", [5e6, 100e6])
 def test_a_paced_path_is_pumped_a_quantum_apart_and_keeps_its_rate(pace):
     """The I/O loop pumps at the wake ``pump`` returns; a path held back by its pacing asks
-    for the next pump a quantum (2 ms, or half its pacing credit if shorter) later, not when
+    for the next pump a quantum (1 ms, or half its pacing credit if shorter) later, not when
     its next packet is due, and the credit sends the quantum's packets in one go: the rate
     is kept (simulated time; the datagrams go to a socket nobody reads)."""
     sink = udp()
@@ -1084,7 +1084,7 @@ def test_a_paced_path_is_pumped_a_quantum_apart_and_keeps_its_rate(pace):
         h = Header(MsgType.PUSH, key=9, sender=0, iteration=1, length=n, dtype=F32)
         tx.enqueue(0, h, np.zeros(n, np.float32), 4, "push")
         quantum = min(0.001, path.rate.credit / 2)     # MXPS_LTP_QUANTUM's default
-        start, gaps, wake = t, [], t
+        start, gaps = t, []
         while t < start + 0.2:
             before = tx.counts["data"]
             wake = tx.pump(t)
