@@ -167,10 +167,28 @@ def test_recv_batch_fills_a_numpy_ring_too(socks, impl):
     assert ring[0].tolist() == [0, 1, 2, 3, 0, 0, 0, 0]
 
 
+def stamps_running(rx, tx, impl, ring, timeout=10.0):
+    """Wait until the kernel stamps ``rx``'s datagrams as they arrive.  Linux turns receive
+    stamps on for the whole stack lazily (a static key flipped by a deferred work item): a
+    datagram that comes before then is stamped when it is read (seen in CI: the first of five
+    datagrams sent 10 ms apart carried its read time, 90 ms after the others)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tx.sendto(b"probe", rx.getsockname())
+        assert select.select([rx], [], [], 5.0)[0]
+        time.sleep(0.02)
+        read_at, stamps = time.time(), []
+        assert [n for n, _ in impl.recv_batch(rx, ring, 200, 64, stamps)] == [5]
+        if stamps[0] is not None and stamps[0] < read_at - 0.01:
+            return
+    pytest.fail("no datagram was stamped at its arrival within %.0f s" % timeout)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_recv_batch_gives_each_datagram_its_kernel_arrival_time_when_stamps_are_on(socks, impl):
     rx, tx, off = socks(3)
     ltp_py.enable_stamps(rx)
+    stamps_running(rx, tx, impl, bytearray(64 * 200))
     before = time.time()
     for i in range(5):
         tx.sendto(payload_of(i, 100 + i), rx.getsockname())
