@@ -190,17 +190,15 @@ class Receiver:
         # for the share's rate windows: whether this read emptied the socket, and each
         # packet's arrival stamp (share.on_packet)
         drained = len(got) < BATCH
-        read = (now, drained)
-        # what _accept does, inline for the packets open_batch took (per packet this loop is
-        # the server's hot path); the counts once per batch
+        # per packet this loop is the server's hot path: the counts are added once per batch
         paths, on_packet, add = self.paths, self.share.on_packet, touched.add
         packets = nbytes = 0
         for i, opened in enumerate(open_batch(view, SLOT, got, self._open, _itemsize)):
             size, addr = got[i]
-            if opened is None:         # refused: the reference checks say why
-                self._one(view[i * SLOT:i * SLOT + size], addr, handle, read, stamps[i],
-                          touched)
-                continue
+            if opened is None:         # refused: the reference checks say why (or take it)
+                opened = self._one(view[i * SLOT:i * SLOT + size], addr)
+                if opened is None:
+                    continue
             f, payload = opened
             w, pn = f.worker, f.pn
             path = paths[w]
@@ -219,41 +217,28 @@ class Receiver:
             self._ack(w)
         return len(got)
 
-    def _one(self, dgram, addr, handle, read, arrival, touched):
+    def _one(self, dgram, addr):
+        """The reference checks of a datagram ``open_batch`` refused: (Fields, payload) if it
+        passes them after all, else None (dropped, counted and logged with the reason)."""
         try:
             worker = pk.peek_worker(dgram)
         except pk.PacketError as e:
             self.drops(e.reason, "LTP: dropped a datagram from %s: %s", addr, e)
-            return
+            return None
         path = self.paths[worker] if worker < len(self.paths) else None
         if path is None or path.addr != addr:
             self.drops("address", "LTP: dropped a datagram claiming worker %d from %s, which is "
                        "not that worker's registered address", worker, addr)
-            return
+            return None
         if not path.tagger.check(dgram):
             self.drops("tag", "LTP: dropped a datagram from %s (worker %d) with a bad tag",
                        addr, worker)
-            return
+            return None
         try:
-            f, payload = pk.decode(dgram, _itemsize)
+            return pk.decode(dgram, _itemsize)
         except pk.PacketError as e:
             self.drops(e.reason, "LTP: dropped a packet of worker %d: %s", worker, e)
-            return
-        self._accept(path, f, payload, dgram.nbytes, handle, read, arrival, touched)
-
-    def _accept(self, path, f, payload, nbytes, handle, read, arrival, touched):
-        """A verified packet of ``nbytes``, read at ``read`` = (time, the read drained the
-        socket), arrived at ``arrival`` (kernel stamp or None): counted, to be ACKed, handed
-        on."""
-        now, drained = read
-        path.note(f.pn)
-        path.acks.append(f.pn)
-        self.share.on_packet(f.worker, nbytes, now, drained, arrival)
-        self._now = now
-        touched.add(f.worker)
-        self.counts["packets"] += 1
-        self.counts["bytes"] += nbytes
-        handle(f, payload, now)
+            return None
 
     def _ack(self, worker):
         path = self.paths[worker]
