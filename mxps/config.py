@@ -303,6 +303,21 @@ def role_from_env(env=None):
     return role
 
 
+def default_max_chunk(num_workers):
+    """``MXPS_MAX_CHUNK``'s default, in elements: a chunk whose copies from all ``num_workers``
+    workers make 2 MB of float32 (524288 elements), but at least 256 KB and at most 1 MB.
+
+    A server answers a chunk's pulls only once every worker has pushed it, so on a server
+    whose link is the bottleneck the step ends W x chunk / link rate after the last push (the
+    pulls of the last chunk), and the server's outgoing link idles as long before the first
+    chunk is complete: both grow with W x chunk.  Smaller chunks cost a round each (an END, a
+    close, an optimizer call and W pulls), so they stop at 256 KB (64 Ki elements; the
+    smallest slice LTP takes, ``MXPS_LTP_MIN_BYTES``, is 64 KB).  Measured in session 14
+    (docs/bench/RESULTS.md): 8 workers -> 1 server, a 3.1 MB key, 0% loss, mxps-ltp:
+    1 MB chunks 0.806 s/step, 512 KB 0.704, 256 KB 0.663 (floor 0.547)."""
+    return max(65536, min(262144, 524288 // max(1, int(num_workers))))
+
+
 def from_env(env=None, mode=None):
     """Build the Config from ``env`` (default os.environ).
 
@@ -317,6 +332,7 @@ def from_env(env=None, mode=None):
     plan = (_get(env, "MXPS_PLAN", "default")).lower()
     if plan not in PLANS:
         raise ConfigError("MXPS_PLAN=%r: expected one of %s" % (plan, ", ".join(PLANS)))
+    num_workers = _int(env, "DMLC_NUM_WORKER", required=True, minimum=1)
     level = _get(env, "MXPS_LOG_LEVEL", "WARNING").upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError("MXPS_LOG_LEVEL=%r: expected DEBUG, INFO, WARNING or ERROR" % level)
@@ -324,7 +340,7 @@ def from_env(env=None, mode=None):
         role=role,
         root_uri=_get(env, "DMLC_PS_ROOT_URI", required=True),
         root_port=_int(env, "DMLC_PS_ROOT_PORT", required=True, minimum=1),
-        num_workers=_int(env, "DMLC_NUM_WORKER", required=True, minimum=1),
+        num_workers=num_workers,
         num_servers=_int(env, "DMLC_NUM_SERVER", required=True, minimum=1),
         node_host=_get(env, "DMLC_NODE_HOST") or _get(env, "MXPS_NODE_HOST") or "",
         mode=mode,
@@ -337,7 +353,7 @@ def from_env(env=None, mode=None):
         plan=plan,
         probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
         min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
-        max_chunk=_int(env, "MXPS_MAX_CHUNK", 262144, minimum=0),
+        max_chunk=_int(env, "MXPS_MAX_CHUNK", default_max_chunk(num_workers), minimum=0),
         send_window=_int(env, "MXPS_SEND_WINDOW", 1 << 20, minimum=1),
         metrics=_get(env, "MXPS_METRICS", ""),
         replan_interval=_int(env, "MXPS_REPLAN_INTERVAL", 1, minimum=0),

@@ -279,3 +279,24 @@ def test_chunked_rule_holds_mxnets_elements_on_mxnets_servers_in_chunks(key, siz
         for i in (s.offset, s.offset + s.length // 2, s.stop - 1):
             if s.length:
                 assert owner(chunks, i) == s.server
+
+
+def test_the_default_chunk_holds_2_mb_over_all_workers_between_256_kb_and_1_mb():
+    """MXPS_MAX_CHUNK's default follows the workers: W copies of a chunk make 2 MB of
+    float32, within [64 Ki, 256 Ki] elements; a value set by the user wins, 0 included."""
+    from mxps import config
+    base = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000",
+            "DMLC_NUM_SERVER": "2"}
+    got = {w: config.from_env(dict(base, DMLC_NUM_WORKER=str(w))).max_chunk
+           for w in (1, 2, 3, 4, 5, 8, 9, 64)}
+    assert got == {1: 262144, 2: 262144, 3: 174762, 4: 131072, 5: 104857, 8: 65536, 9: 65536,
+                   64: 65536}
+    for w, chunk in got.items():
+        assert 65536 <= chunk <= 262144
+        assert chunk == 65536 or chunk == 262144 or chunk * w <= 524288 < (chunk + 1) * w
+    for w in (2, 8):
+        for v in ("0", "300", "1000000"):
+            env = dict(base, DMLC_NUM_WORKER=str(w), MXPS_MAX_CHUNK=v)
+            assert config.from_env(env).max_chunk == int(v)
+    with pytest.raises(config.ConfigError, match="MXPS_MAX_CHUNK"):
+        config.from_env(dict(base, DMLC_NUM_WORKER="8", MXPS_MAX_CHUNK="-1"))
