@@ -45,6 +45,7 @@ class Config:
     min_slice: int = 16384
     max_chunk: int = 262144
     send_window: int = 1 << 20
+    push_gather: float = 0.01
     metrics: str = ""
     replan_interval: int = 1
     replan_force: int = 0
@@ -127,6 +128,13 @@ def _float(env, name, default, minimum=0.0):
         raise ConfigError("%s=%r is not a number" % (name, env.get(name))) from None
     if not v > minimum:
         raise ConfigError("%s=%s must be greater than %s" % (name, v, minimum))
+    return v
+
+
+def _push_gather(env):
+    v = _float(env, "MXPS_PUSH_GATHER", 0.01, minimum=-1.0)
+    if not 0 <= v <= 1:
+        raise ConfigError("MXPS_PUSH_GATHER=%s: seconds in [0, 1] (0: no hold)" % v)
     return v
 
 
@@ -355,6 +363,7 @@ def from_env(env=None, mode=None):
         min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
         max_chunk=_int(env, "MXPS_MAX_CHUNK", default_max_chunk(num_workers), minimum=0),
         send_window=_int(env, "MXPS_SEND_WINDOW", 1 << 20, minimum=1),
+        push_gather=_push_gather(env),
         metrics=_get(env, "MXPS_METRICS", ""),
         replan_interval=_int(env, "MXPS_REPLAN_INTERVAL", 1, minimum=0),
         replan_force=_int(env, "MXPS_REPLAN_FORCE", 0, minimum=0),

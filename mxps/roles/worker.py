@@ -24,6 +24,7 @@ from ..wire import frame as wire, tcp as transport
 from ..wire.frame import Header, MsgType
 from . import link as control
 from .link import SchedulerLink
+from .push_gate import PushGate
 
 log = logging.getLogger("mxps.worker")
 
@@ -97,6 +98,9 @@ class Client:
         # be in flight, so a slice larger than the window never leaves the link idle while
         # its ACK comes back)
         self._seq = 0
+        # MXPS_PUSH_GATHER: the round's first pushes go in the same order on every worker
+        self._gates = [PushGate(cfg.push_gather) for _ in self.servers]
+        self._gate_wake = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._barrier_seq = 0
@@ -413,6 +417,9 @@ class Client:
         while not self._stopped.is_set():
             self._sleeping = True
             timeout = 0 if self._queue else wait_ms
+            if self._gate_wake is not None and timeout:
+                ahead = self._gate_wake - time.monotonic()
+                timeout = 0 if ahead <= 0 else max(1, min(timeout, int(ahead * 1000) + 1))
             if self._ltp_wake is not None and timeout:
                 # whole milliseconds, rounded up: a packet due in 0.4 ms waits 1 ms (pacing
                 # credit catches up) instead of the thread spinning on a zero timeout
@@ -433,6 +440,7 @@ class Client:
                     continue
                 if priority is not None:
                     self._seq += 1
+                    self._gates[server].arrived(h.iteration, time.monotonic())
                     heapq.heappush(self._held[server], (-priority, h.key, h.offset, self._seq,
                                                         h, payload, on_reply))
                     if self._trace is not None:
@@ -443,9 +451,20 @@ class Client:
                 if sock in events:
                     self._read_replies(i, sock)
             # after the replies: an ACK that opened a window sends the next held push now
+            self._gate_wake = None
             for server, held in enumerate(self._held):
+                gate = self._gates[server]
                 while held and (self._unacked[server] < self.cfg.send_window
                                 or self._unacked_count[server] < 2):
+                    rank = held[0][:3]
+                    rnd = held[0][4].iteration
+                    wait = gate.wait(rank, rnd, time.monotonic())
+                    if wait > 0:
+                        due = time.monotonic() + wait
+                        if self._gate_wake is None or due < self._gate_wake:
+                            self._gate_wake = due
+                        break
+                    gate.sent(rank, rnd)
                     _, _, _, _, h, payload, on_reply = heapq.heappop(held)
                     n = memoryview(payload).nbytes
                     self._unacked[server] += n
