@@ -79,6 +79,7 @@ class Config:
     ltp_drop: float = 0.0           # test-only: drop this fraction of DATA packets at the sender
     ltp_seed: int = 0
     ltp_quantum: float = 0.001      # s: a paced path is pumped at most this often (ltp.sender)
+    ltp_critical_first: bool = True  # pushes that go by TCP skip the priority queue
     # test-only fault injection (docs/SETTINGS.md): pause at ``fault_point`` for
     # ``fault_hold`` seconds after announcing it in ``fault_dir`` (see roles.link.fault_point)
     fault_point: str = ""
@@ -220,6 +221,7 @@ def _ltp(env):
                           % quantum)
     return dict(push=push, ltp_fill=fill, ltp_ratio=ratio, ltp_deadline=deadline,
                 ltp_grace=_float(env, "MXPS_LTP_GRACE", 0.002),
+                ltp_critical_first=_bool(env, "MXPS_LTP_CRITICAL_FIRST", True),
                 ltp_min_bytes=_int(env, "MXPS_LTP_MIN_BYTES", 65536, minimum=0),
                 ltp_mtu=mtu, ltp_drop=drop, ltp_seed=_int(env, "MXPS_LTP_SEED", 0),
                 ltp_quantum=quantum)

@@ -354,12 +354,18 @@ class Client:
     _FLOATS = {wire.dtype_code(t): wire.dtype_of(wire.dtype_code(t)).itemsize
                for t in ("float32", "float64", "float16")}
 
+    def _ltp_takes(self, server, h, payload):
+        """Whether LTP takes this push: a float slice of MXPS_LTP_MIN_BYTES or more to a
+        server with a path."""
+        return self.ltp.takes(server, h, payload, self.cfg.ltp_min_bytes,
+                              self._FLOATS.get(h.dtype))
+
     def _ltp_push(self, server, h, payload, on_reply, held):
-        """Hand a released push to LTP if it takes it (a float slice of MXPS_LTP_MIN_BYTES or
-        more to a server with a path); its END's ACK completes it (``_ltp_done``)."""
-        itemsize = self._FLOATS.get(h.dtype)
-        if not self.ltp.takes(server, h, payload, self.cfg.ltp_min_bytes, itemsize):
+        """Hand a released push to LTP if it takes it (``_ltp_takes``); its END's ACK
+        completes it (``_ltp_done``)."""
+        if not self._ltp_takes(server, h, payload):
             return False
+        itemsize = self._FLOATS.get(h.dtype)
         self.ltp.enqueue(server, h, payload, itemsize, (on_reply, held, server))
         if self._trace is not None:
             self._record(_SENT, server, h, _nbytes(payload))
@@ -437,6 +443,17 @@ class Client:
                 server, h, payload, on_reply, priority = self._queue.popleft()
                 if server is None:
                     self.link.send(h.type, payload)
+                    continue
+                if priority is not None and ltp is not None and self.cfg.ltp_critical_first \
+                        and not self._ltp_takes(server, h, payload):
+                    # MXPS_PUSH=ltp: a push that goes by TCP (a small slice, critical) skips
+                    # the queue.  Sent first, its TCP retransmission timeout (200 ms and
+                    # more) passes while LTP moves the bulk; sent last, in priority order,
+                    # it was the round's end (docs/LTP.md, session 15)
+                    if self._trace is not None:
+                        self._record(_HELD, server, h, _nbytes(payload))
+                        self._record(_RELEASED, server, h, _nbytes(payload))
+                    self._send(server, h, payload, on_reply, 0)
                     continue
                 if priority is not None:
                     self._seq += 1
