@@ -44,7 +44,6 @@ class Config:
     probe_bytes: int = 4 * 1024 * 1024
     min_slice: int = 16384
     max_chunk: int = 262144
-    chunk_ramp: bool = True
     send_window: int = 1 << 20
     push_gather: float = 0.01
     metrics: str = ""
@@ -365,7 +364,6 @@ def from_env(env=None, mode=None):
         probe_bytes=_int(env, "MXPS_PROBE_BYTES", 4 * 1024 * 1024, minimum=1024),
         min_slice=_int(env, "MXPS_MIN_SLICE", 16384, minimum=1),
         max_chunk=_int(env, "MXPS_MAX_CHUNK", default_max_chunk(num_workers), minimum=0),
-        chunk_ramp=_bool(env, "MXPS_CHUNK_RAMP", True),
         send_window=_int(env, "MXPS_SEND_WINDOW", 1 << 20, minimum=1),
         push_gather=_push_gather(env),
         metrics=_get(env, "MXPS_METRICS", ""),

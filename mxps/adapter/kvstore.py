@@ -206,14 +206,13 @@ class MXPS(KVStoreBase):
                                                                self._cfg.mode))
         rule = mxnet_default_rule
         if self._cfg.plan == "chunked":
-            rule = chunked_rule(self._cfg.max_chunk, self._cfg.chunk_ramp)
+            rule = chunked_rule(self._cfg.max_chunk)
         self.server_rates = None
         if self._cfg.plan == "adaptive":
             # bandwidth-proportional placement: the first plan from a start-up probe; live
             # re-plan points follow it (``_replan_point``)
             self.server_rates = self._client.agree_rates(self._cfg.probe_bytes)
-            rule = ProportionalRule(self.server_rates, self._cfg.min_slice, self._cfg.max_chunk,
-                                    self._cfg.chunk_ramp)
+            rule = ProportionalRule(self.server_rates, self._cfg.min_slice, self._cfg.max_chunk)
             log.info("worker %d: server rates (MB/s) %s", self.rank,
                      " ".join("%.1f" % (r / 1e6) for r in self.server_rates))
         self._plan = Plan(self._client.num_servers, bigarray_bound=self._cfg.bigarray_bound,

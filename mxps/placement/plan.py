@@ -145,41 +145,19 @@ class Plan:
         return out
 
 
-def chunk_bounds(start, stop, max_chunk, ramp=True):
-    """The bounds of consecutive chunks of at most ``max_chunk`` elements covering
-    [start, stop) (``max_chunk`` 0: one chunk).
-
-    A part of at most ``max_chunk`` elements is one chunk; a longer one is cut as evenly as
-    possible, except that with ``ramp`` its first ``max_chunk`` elements go as chunks of a
-    quarter, a quarter and a half.  A chunk's pulls start only once every worker pushed it, so
-    the server's outgoing link idles for the first chunk's W pushes: the ramp makes that
-    (the pipeline's fill) a quarter as long, at the cost of two more messages per key.
-    (MXPS_CHUNK_RAMP; docs/bench/RESULTS.md, session 15.)"""
-    n_elems = stop - start
-    if not max_chunk or n_elems <= max_chunk:
-        return [start, stop]
-    head = []
-    if ramp and max_chunk >= 4:
-        q = max_chunk // 4
-        head = [start, start + q, start + 2 * q]
-        start += max_chunk
-        n_elems = stop - start
-    n = -(-n_elems // max_chunk)
-    return head + [start + n_elems * j // n for j in range(n + 1)]
-
-
-def chunked_rule(max_chunk, ramp=True):
+def chunked_rule(max_chunk):
     """MXNet's placement with every server's part of a key cut into consecutive chunks of at
-    most ``max_chunk`` elements (``MXPS_PLAN=chunked``; ``chunk_bounds``): the same servers
-    hold the same elements as under ``mxnet_default_rule``, but a server answers a chunk as
-    soon as every worker pushed it, as the adaptive plan's chunks do.  With it, a comparison
-    against the adaptive plan measures placement alone, not pipelining."""
+    most ``max_chunk`` elements (``MXPS_PLAN=chunked``): the same servers hold the same
+    elements as under ``mxnet_default_rule``, but a server answers a chunk as soon as every
+    worker pushed it, as the adaptive plan's chunks do.  With it, a comparison against the
+    adaptive plan measures placement alone, not pipelining."""
     max_chunk = max(0, int(max_chunk))
 
     def rule(key, size, num_servers, bigarray_bound):
         out = []
         for s in mxnet_default_rule(key, size, num_servers, bigarray_bound):
-            bounds = chunk_bounds(s.offset, s.stop, max_chunk, ramp)
+            n = 1 if not max_chunk else max(1, -(-s.length // max_chunk))
+            bounds = [s.offset + s.length * j // n for j in range(n + 1)]
             out.extend(Slice(s.server, a, b - a) for a, b in zip(bounds, bounds[1:]))
         return tuple(out)
     return rule
@@ -207,14 +185,13 @@ class ProportionalRule:
     the first chunk's pull then overlaps the later chunks' pushes.
     """
 
-    def __init__(self, rates, min_slice=16384, max_chunk=0, ramp=True):
+    def __init__(self, rates, min_slice=16384, max_chunk=0):
         if not rates or any(not r > 0 for r in rates):
             raise PlanError("server rates must all be positive, got %s" % (list(rates),))
         total = float(sum(rates))
         self.shares = [r / total for r in rates]
         self.min_slice = max(1, int(min_slice))
         self.max_chunk = max(0, int(max_chunk))
-        self.ramp = ramp
         self.loads = [0] * len(rates)
 
     def __call__(self, key, size, num_servers, bigarray_bound):
@@ -252,8 +229,9 @@ class ProportionalRule:
         return tuple(slices)
 
     def _chunks(self, server, start, stop):
-        # a server's part of a key, in consecutive chunks of at most max_chunk elements
-        # (chunk_bounds): the server answers a chunk as soon as every worker pushed it,
+        # a server's part of a key, in consecutive chunks of at most max_chunk elements (as
+        # even as possible): the server answers a chunk as soon as every worker pushed it,
         # while the next chunks are still arriving
-        bounds = chunk_bounds(start, stop, self.max_chunk, self.ramp)
+        n = 1 if not self.max_chunk else -(-(stop - start) // self.max_chunk)
+        bounds = [start + (stop - start) * j // n for j in range(n + 1)]
         return [Slice(server, a, b - a) for a, b in zip(bounds, bounds[1:])]
