@@ -17,6 +17,7 @@ Layers, each checked on its own so that a failure names its layer:
 The Early Close rule's properties are in test_ltp_close.py, the rate model's in
 test_ltp_rate.py.
 """
+import collections
 import json
 import math
 import pickle
@@ -1171,11 +1172,33 @@ def test_ltp_with_5_percent_of_packets_dropped_finishes_synchronised_and_reports
         jobs, tmp_path_factory):
     metrics = str(tmp_path_factory.mktemp("ltp_lossy") / "m")
     traced = str(tmp_path_factory.mktemp("ltp_trace") / "t")
+    # MXPS_SEND_WINDOW=1: a server's pushes go one by one (two in flight), in priority order
     run = jobs.train(train_env("mxps", MXPS_PUSH="ltp", MXPS_LTP_DROP=0.05, MXPS_LTP_MTU=1500,
                                MXPS_LTP_MIN_BYTES=4096, MXPS_METRICS=metrics, MXPS_TRACE=traced,
-                               steps=10, **BIG),
+                               MXPS_SEND_WINDOW=1, steps=10, **BIG),
                      2, 2)
     weights = assert_synchronised(run.out_dir, 2)
+    # MXPS_LTP_CRITICAL_FIRST: a push that goes by TCP (under MXPS_LTP_MIN_BYTES: mlp_big's
+    # last bias and weights, the lowest priorities) never waits in the queue; it overtakes
+    # LTP pushes to its server that were waiting for the window before it came
+    overtook = 0
+    for rank in (0, 1):
+        with open(traced + ".worker%d" % rank) as f:
+            table = json.load(f)["tables"]["requests"]
+        rows = [dict(zip(table["columns"], r)) for r in table["rows"]]
+        stage = collections.defaultdict(dict)
+        for r in rows:
+            if r["kind"].startswith("push_"):
+                stage[r["request"]][r["kind"][5:]] = r
+        tcp = [e for e in stage.values() if e["held"]["bytes"] < 4096]
+        big = [e for e in stage.values() if e["held"]["bytes"] >= 4096]
+        assert len(tcp) >= 3 * 9 and big, "expected mlp_big's three small keys every round"
+        for e in tcp:
+            assert e["released"]["time"] - e["held"]["time"] < 0.002, e
+            overtook += any(b["held"]["server"] == e["held"]["server"]
+                            and b["held"]["time"] < e["held"]["time"]
+                            and b["released"]["time"] > e["released"]["time"] for b in big)
+    assert overtook > 0, "no small push came while an LTP push waited: the check shows nothing"
     # the trace samples every path's rate model (table paths): each path sent, was ACKed, was
     # paced, and its counters only grow
     for rank in (0, 1):
