@@ -21,7 +21,7 @@ thread owns it.
 
 
 class PushGate:
-    __slots__ = ("hold", "round", "start", "expected", "ptr", "released", "seen")
+    __slots__ = ("hold", "round", "start", "expected", "ptr", "released")
 
     def __init__(self, hold):
         if hold < 0:
@@ -31,18 +31,16 @@ class PushGate:
         self.start = 0.0         # when its first push arrived
         self.expected = []       # the previous round's pushes, by rank
         self.ptr = 0             # expected[:ptr] have gone this round
-        self.released = set()    # ranks released this round
-        self.seen = []           # ranks released this round, for the next one's ``expected``
+        self.released = set()    # ranks released this round (the next one's ``expected``)
 
     def arrived(self, rnd, now):
         """A push of round ``rnd`` entered the queue at ``now``."""
         if self.round is None or rnd > self.round:
-            self.expected = sorted(self.seen) if rnd == (self.round or 0) + 1 else []
+            self.expected = sorted(self.released) if rnd == (self.round or 0) + 1 else []
             self.round = rnd
             self.start = now
             self.ptr = 0
             self.released = set()
-            self.seen = []
 
     def wait(self, rank, rnd, now):
         """Seconds the head of the queue (``rank``, round ``rnd``) must still wait; 0: send."""
@@ -59,4 +57,3 @@ class PushGate:
         """The head of the queue (``rank``, round ``rnd``) went out."""
         if rnd == self.round:
             self.released.add(rank)
-            self.seen.append(rank)

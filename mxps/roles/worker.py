@@ -167,7 +167,10 @@ class Client:
         every worker then sends the chunks in nearly the same order, so the server completes
         (and answers) chunk after chunk instead of all at the end, and a gradient that is
         ready late but needed first overtakes the queue.  Waiting only for the server's
-        receipt, never for other workers, cannot deadlock.
+        receipt, never for other workers, cannot deadlock.  At a round's start the queue
+        waits up to MXPS_PUSH_GATHER for the pushes the previous round had first
+        (``push_gate``); with MXPS_PUSH=ltp a push that goes by TCP skips the queue
+        (MXPS_LTP_CRITICAL_FIRST).
 
         The queue is bounded by the model: MXNet runs one operation per key at a time (each
         holds its key's ``seq`` variable), an operation submits at most two requests per slice,
@@ -468,18 +471,18 @@ class Client:
                 if sock in events:
                     self._read_replies(i, sock)
             # after the replies: an ACK that opened a window sends the next held push now
+            # (MXPS_PUSH_GATHER: at a round's start, only in the order of the previous round)
             self._gate_wake = None
+            now = time.monotonic()
             for server, held in enumerate(self._held):
                 gate = self._gates[server]
                 while held and (self._unacked[server] < self.cfg.send_window
                                 or self._unacked_count[server] < 2):
-                    rank = held[0][:3]
-                    rnd = held[0][4].iteration
-                    wait = gate.wait(rank, rnd, time.monotonic())
+                    rank, rnd = held[0][:3], held[0][4].iteration
+                    wait = gate.wait(rank, rnd, now)
                     if wait > 0:
-                        due = time.monotonic() + wait
-                        if self._gate_wake is None or due < self._gate_wake:
-                            self._gate_wake = due
+                        if self._gate_wake is None or now + wait < self._gate_wake:
+                            self._gate_wake = now + wait
                         break
                     gate.sent(rank, rnd)
                     _, _, _, _, h, payload, on_reply = heapq.heappop(held)
