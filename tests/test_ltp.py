@@ -1172,10 +1172,11 @@ def test_ltp_with_5_percent_of_packets_dropped_finishes_synchronised_and_reports
         jobs, tmp_path_factory):
     metrics = str(tmp_path_factory.mktemp("ltp_lossy") / "m")
     traced = str(tmp_path_factory.mktemp("ltp_trace") / "t")
-    # MXPS_SEND_WINDOW=1: a server's pushes go one by one (two in flight), in priority order
+    # MXPS_SEND_WINDOW=1: a server's pushes go one by one (two in flight), in priority order;
+    # MXPS_PUSH_GATHER=1: a round's first push waits (up to 1 s) for the canonical first one
     run = jobs.train(train_env("mxps", MXPS_PUSH="ltp", MXPS_LTP_DROP=0.05, MXPS_LTP_MTU=1500,
                                MXPS_LTP_MIN_BYTES=4096, MXPS_METRICS=metrics, MXPS_TRACE=traced,
-                               MXPS_SEND_WINDOW=1, steps=10, **BIG),
+                               MXPS_SEND_WINDOW=1, MXPS_PUSH_GATHER=1, steps=10, **BIG),
                      2, 2)
     weights = assert_synchronised(run.out_dir, 2)
     # MXPS_LTP_CRITICAL_FIRST: a push that goes by TCP (under MXPS_LTP_MIN_BYTES: mlp_big's
@@ -1198,6 +1199,17 @@ def test_ltp_with_5_percent_of_packets_dropped_finishes_synchronised_and_reports
             overtook += any(b["held"]["server"] == e["held"]["server"]
                             and b["held"]["time"] < e["held"]["time"]
                             and b["released"]["time"] > e["released"]["time"] for b in big)
+        # MXPS_PUSH_GATHER: from the second round on, every worker's first push to a server
+        # is the highest-ranked of that round's queued ones (Gluon's priority -index: the
+        # lowest key), whatever order backward produced the gradients in
+        firsts = collections.defaultdict(list)
+        for e in big:
+            h = e["held"]
+            firsts[(h["round"], h["server"])].append(
+                (e["released"]["time"], (h["key"], h["offset"])))
+        for (rnd, server), pushes in firsts.items():
+            if rnd >= 2:
+                assert min(pushes)[1] == min(k for _, k in pushes), (rank, rnd, server, pushes)
     assert overtook > 0, "no small push came while an LTP push waited: the check shows nothing"
     # the trace samples every path's rate model (table paths): each path sent, was ACKed, was
     # paced, and its counters only grow
