@@ -284,3 +284,33 @@ def test_a_single_late_round_costs_the_next_ones_nothing_lasting():
     for _ in range(3):
         d.closed(close.COMPLETE, 0.01)
     assert d.value() == pytest.approx(base)   # and it is forgotten
+
+
+# --- the grace after the last END ---------------------------------------------------------
+
+@PROPS
+@given(st.floats(0.0, 1.0), times, st.floats(0.0, 50.0))
+def test_the_grace_holds_only_within_the_memory_of_a_packet_out_of_order(grace, now, ago):
+    g = close.grace_for(grace, now - ago, now, memory=10.0)
+    assert g == (grace if ago < 10.0 else 0.0)
+    # never seen out of order: a path that keeps order has nothing behind an END
+    assert close.grace_for(grace, -math.inf, now) == 0.0
+    # order not watched (no receiver to say): the configured grace always holds
+    assert close.grace_for(grace, None, now) == grace
+
+
+@PROPS
+@given(rounds(all_heard=True), st.floats(0.0, 1.0), st.data())
+def test_without_reordering_a_round_whose_ends_all_came_closes_at_the_last_end(state, grace,
+                                                                               data):
+    # every END came, a packet is missing (below any ratio), no deadline
+    state["ends"] = [h + data.draw(st.floats(0.0, 10.0)) for h in state["heard"]]
+    state["received"][0] = state["expected"][0] - 1
+    state["ratio"], state["deadline"] = 1.0, None
+    last = max(state["ends"])
+    state["grace"] = close.grace_for(grace, -math.inf, last)
+    assert at(last, state)[0] == ENDS
+    state["grace"] = close.grace_for(grace, last - 1.0, last)      # reordered a second ago
+    if grace > 0:
+        assert at(math.nextafter(last + grace, 0), state)[0] is None
+        assert at(last + grace, state)[0] == ENDS

@@ -6,7 +6,10 @@ the first of:
 
 1. ``complete``: every packet of every worker arrived;
 2. ``ends``: every worker's END arrived, and ``grace`` has passed since the last one (packets
-   sent before an END may still be behind it; whatever has not come by then was lost);
+   sent before an END may still be behind it; whatever has not come by then was lost).  The
+   grace is ``grace_for``: nothing while the server's paths keep order (a path that delivers
+   in order can have nothing behind an END: whatever is missing was lost), the configured
+   grace once a packet came out of order on one of them, for ``REORDER_MEMORY`` seconds;
 3. ``ratio``: every worker's received fraction reached the acceptance ratio (the rest, lost or
    late, is not waited for);
 4. ``deadline``: ``deadline`` seconds after the last worker was first heard from (its first
@@ -43,6 +46,22 @@ import math
 
 COMPLETE, ENDS, RATIO, DEADLINE = "complete", "ends", "ratio", "deadline"
 REASONS = (COMPLETE, ENDS, RATIO, DEADLINE)
+# seconds a packet seen out of order keeps the grace after an END on (receiver.Receiver)
+REORDER_MEMORY = 10.0
+
+
+def grace_for(grace, reordered_at, now, memory=REORDER_MEMORY):
+    """The wait after the last END (seconds): ``grace`` if a packet arrived out of order (after
+    one with a higher packet number on its path) at ``reordered_at`` within ``memory`` seconds
+    of ``now``, else 0.  ``reordered_at`` None: order not watched, the grace always holds.
+    As RACK's reordering window (RFC 8985; Linux's tcp_rack_reo_wnd is 0 until reordering is
+    seen): the grace waits for packets behind an END, and on a path that keeps order (one
+    queue, FIFO: this project's emulated switch, most single-path networks) there are none, so
+    at every round with a loss a fixed grace was pure delay (2 ms: a quarter of an 8 x 50 KB
+    round at 400 Mbit/s; docs/bench/RESULTS.md)."""
+    if reordered_at is None:
+        return grace
+    return grace if now - reordered_at < memory else 0.0
 
 
 def acceptance_ratio(n, loss, z=1.0, floor=0.8):
