@@ -79,6 +79,10 @@ class Config:
     ltp_seed: int = 0
     ltp_quantum: float = 0.001      # s: a paced path is pumped at most this often (ltp.sender)
     ltp_critical_first: bool = True  # pushes that go by TCP skip the priority queue
+    ltp_grace_always: bool = False  # the grace after the last END even on paths that keep order
+    ltp_end_copies: int = 4         # the most copies an END goes as on a lossy path
+    ltp_busy_windows: bool = True   # the grant's capacity over the link's busy time (ltp.share)
+    ltp_owing: bool = True          # the grant shared by the workers that owe an open round
     # test-only fault injection (docs/SETTINGS.md): pause at ``fault_point`` for
     # ``fault_hold`` seconds after announcing it in ``fault_dir`` (see roles.link.fault_point)
     fault_point: str = ""
@@ -223,7 +227,14 @@ def _ltp(env):
                 ltp_critical_first=_bool(env, "MXPS_LTP_CRITICAL_FIRST", True),
                 ltp_min_bytes=_int(env, "MXPS_LTP_MIN_BYTES", 65536, minimum=0),
                 ltp_mtu=mtu, ltp_drop=drop, ltp_seed=_int(env, "MXPS_LTP_SEED", 0),
-                ltp_quantum=quantum)
+                ltp_quantum=quantum,
+                ltp_grace_always=_bool(env, "MXPS_LTP_GRACE_ALWAYS", False),
+                ltp_end_copies=_int(env, "MXPS_LTP_END_COPIES", 4, minimum=1),
+                ltp_busy_windows=_bool(env, "MXPS_LTP_BUSY_WINDOWS", True),
+                ltp_owing=_bool(env, "MXPS_LTP_OWING", True))
+
+
+ltp_settings = _ltp       # the LTP settings alone (mxps.ltp.incast, the push-alone benchmark)
 
 
 MIN_SECRET_BYTES = 16

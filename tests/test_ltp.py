@@ -39,6 +39,7 @@ from mxps.ltp import close as close_rule
 from mxps.ltp.close import deadline_for
 from mxps.ltp.receiver import Receiver
 from mxps.ltp.rounds import FILLS, RESCALE, ZERO, LtpRound
+from mxps.ltp import sender as ltp_sender
 from mxps.ltp.sender import Sender
 from mxps.roles.server_state import LtpSettings, Out, ServerState
 from mxps.wire.frame import Header, MsgType, dtype_code
@@ -161,11 +162,11 @@ def test_acks_name_exactly_the_packets_received_split_into_bounded_datagrams(pns
         assert len(a) <= pk.ACK_HEADER_SIZE + 8 * pk.MAX_ACK_RANGES + pk.TAG_SIZE
 
 
-def test_an_ack_carries_the_servers_rate_grant_in_kilobytes_per_second():
-    (ack,) = pk.encode_acks(TAGGER, 1, [5, 6], grant=12.5e6)
-    assert pk.decode_ack_grant(ack, TAGGER, 1) == ([(5, 2)], 12.5e6)
+def test_an_ack_carries_the_servers_rate_grant_and_start_rate_in_kilobytes_per_second():
+    (ack,) = pk.encode_acks(TAGGER, 1, [5, 6], grant=12.5e6, start=3.25e6)
+    assert pk.decode_ack_grant(ack, TAGGER, 1) == ([(5, 2)], 12.5e6, 3.25e6)
     (ack,) = pk.encode_acks(TAGGER, 1, [5])
-    assert pk.decode_ack_grant(ack, TAGGER, 1) == ([(5, 1)], 0.0)
+    assert pk.decode_ack_grant(ack, TAGGER, 1) == ([(5, 1)], 0.0, 0.0)
 
 
 def test_an_ack_for_another_worker_or_with_a_bad_tag_is_refused():
@@ -187,7 +188,8 @@ def test_an_ack_for_another_worker_or_with_a_bad_tag_is_refused():
 @pytest.mark.parametrize("dgram,reason", [
     (b"", "short"), (b"LT\x01", "short"), (bytes(pk.OVERHEAD - 1), "short"),
     (bytes(pk.OVERHEAD), "magic"), (b"XX" + bytes(100), "magic"),
-    (b"LT\x02" + bytes(100), "version"), (b"LT\x00" + bytes(100), "version")])
+    (b"LT" + bytes([pk.VERSION + 1]) + bytes(100), "version"),
+    (b"LT\x00" + bytes(100), "version")])
 def test_peek_worker_refuses_short_and_foreign_datagrams_with_a_reason(dgram, reason):
     with pytest.raises(pk.PacketError) as e:
         pk.peek_worker(dgram)
@@ -900,6 +902,50 @@ def test_a_second_hello_moves_a_worker_to_its_new_address_and_key(endpoint):
         new.close()
 
 
+def test_a_packet_after_a_higher_number_by_its_stamp_is_out_of_order_and_not_by_socket_alone():
+    from mxps.ltp.receiver import IN_HOST, IN_ORDER, REORDERED, _Path
+    p = _Path((LOOP, 1), bytes(32))
+    assert [p.note(pn, t) for pn, t in ((0, 1.0), (1, 1.1), (3, 1.2))] == [IN_ORDER] * 3
+    assert p.note(2, 1.3) == REORDERED            # came after 3 at the host too
+    assert p.note(2, 1.35) == REORDERED           # a duplicate of an older number
+    assert p.note(4, 1.4) == IN_ORDER
+    assert p.note(6, 1.6) == IN_ORDER
+    assert p.note(5, 1.55) == IN_HOST             # stamped before 6: reordered in this host
+    assert p.note(7, None) == IN_ORDER and p.note(6, None) == REORDERED   # no stamps: by order
+    # numbers wrap modulo 2**32: the first after the wrap is in order, the last before it not
+    q = _Path((LOOP, 1), bytes(32))
+    assert q.note(pk.PN_MASK - 1, 1.0) == IN_ORDER and q.note(1, 1.1) == IN_ORDER
+    assert q.note(pk.PN_MASK, 1.2) == REORDERED
+
+
+def test_a_reordered_packet_turns_the_grace_after_the_last_end_on_and_order_keeps_it_off(
+        endpoint):
+    rx, socks, keys = endpoint
+    handed = []
+    for pn in (10, 11, 12):
+        socks[0].sendto(datagram(pk.Tagger(keys[0]), w=0, pn=pn, payload=bytes(4)),
+                        (LOOP, rx.port))
+    settle(rx, lambda *a: handed.append(a), 3)
+    assert rx.reordered_at == -math.inf and rx.counts["out_of_order"] == 0
+    assert close_rule.grace_for(0.002, rx.reordered_at, time.monotonic()) == 0.0
+    socks[1].sendto(datagram(pk.Tagger(keys[1]), w=1, pn=5, payload=bytes(4)), (LOOP, rx.port))
+    socks[1].sendto(datagram(pk.Tagger(keys[1]), w=1, pn=4, payload=bytes(4)), (LOOP, rx.port))
+    before = time.monotonic()
+    settle(rx, lambda *a: handed.append(a), 5)
+    assert rx.counts["out_of_order"] == 1 and rx.reordered_at >= before
+    assert close_rule.grace_for(0.002, rx.reordered_at, time.monotonic()) == 0.002
+
+
+def test_a_server_without_reordering_closes_a_round_at_its_last_end():
+    s = ltp_server(2, grace=0.003, reordered=lambda: -math.inf)
+    clock = Clock()
+    open_round(s, GRADS2, [{3}, {3, 9}], clock)
+    assert s.slots[(KEY, 0)].applied == 1 and s.ltp_stats["close_ends"] == 1
+    s = ltp_server(2, grace=0.003, reordered=lambda: clock.t)      # reordered just now
+    open_round(s, GRADS2, [{3}, {3, 9}], clock)
+    closes_at(s, clock.t + 0.003, "ends")
+
+
 # --- sender and receiver on loopback ----------------------------------------------------------
 
 class Link:
@@ -999,6 +1045,35 @@ def test_with_a_tenth_of_the_packets_dropped_the_end_still_completes_and_90_perc
         assert link.got[lo:lo + link.epp].tobytes() == grad[lo:lo + link.epp].tobytes()
     # the receiver's loss estimate (which Early Close adapts to) sees the 10%
     assert 0.05 < link.rx.loss[0] < 0.15, link.rx.loss
+    # so does the sender's, and its END went as copies (all of them lost: 1 in 1000 or less)
+    path = link.tx.paths[0]
+    assert 0.05 < path.loss < 0.15, path.loss
+    assert len(link.ends) >= ltp_sender.end_copies(path.loss) >= 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.0, 1.0), st.sampled_from([1e-2, 1e-3, 1e-4]), st.integers(1, 6))
+def test_an_end_goes_as_the_fewest_copies_whose_loss_together_is_unlikely(loss, target, cap):
+    k = ltp_sender.end_copies(loss, target, cap)
+    assert 1 <= k <= cap
+    if k < cap:
+        assert loss ** k <= target * (1 + 1e-9)
+    if k > 1:
+        assert loss ** (k - 1) > target
+
+
+def test_a_push_on_an_idle_path_begins_at_the_servers_start_rate_not_a_raised_grant(
+        link_factory):
+    link = link_factory(1000)
+    path = link.tx.paths[0]
+    path.rate.cap(40e6)                     # a grant raised while the others were done
+    path.start_rate = 5e6                   # the equal share the ACKs said
+    link.push(np.ones(1000, np.float32))
+    assert path.rate.max_rate == 5e6 and path.rate.pacing_rate <= 5e6
+    path.rate.cap(40e6)                     # the next ACK's grant, while the path is busy
+    link.push(np.ones(1000, np.float32), done="second")
+    assert path.rate.max_rate == 40e6       # a busy path keeps the grant it has
+    assert sorted(link.run()) == ["push", "second"]
 
 
 def drain_acks(link, pns, timeout=5.0):
@@ -1031,20 +1106,25 @@ def test_an_end_whose_acks_are_lost_is_resent_with_backoff_until_one_ack_arrives
     n = pk.packet_count(1000, link.epp)
     settle(link.rx, link.handle, n + 1)
     lost = drain_acks(link, range(n + 1))       # the DATA packets' and the END's ACKs: lost
-    intervals, path = [], link.tx.paths[0]
+    intervals, path, ends = [], link.tx.paths[0], 1
     for resend in (1, 2, 3):
         assert link.tx.pump(math.nextafter(due, 0)) == due        # not a moment early
         assert link.tx.counts["end_resent"] == resend - 1
+        first = path.pn
         link.tx.pump(due)
         assert link.tx.counts["end_resent"] == resend
+        # lost ACKs can look like a lossy path to the sender: its END then goes as copies
+        copies = list(range(first, path.pn))
+        assert len(copies) == ltp_sender.end_copies(path.loss)
+        ends += len(copies)
         intervals.append(due - sent_at)
         sent_at, due = due, link.tx.pump(due)
-        settle(link.rx, link.handle, n + 1 + resend)
+        settle(link.rx, link.handle, n + ends)
         if resend < 3 or which == "first":
-            lost.update(drain_acks(link, [path.pn - 1]))
+            lost.update(drain_acks(link, copies))
     assert intervals[1] == pytest.approx(2 * intervals[0])
     assert intervals[2] == pytest.approx(2 * intervals[1])
-    assert link.tx.busy and link.ends == [n] * 4
+    assert link.tx.busy and link.ends == [n] * ends
     if which == "first":        # a late ACK of the first END still completes the push
         first = next(a for a, pns in lost.items() if n in pns)
         link.rx.sock.sendto(first, link.tx.sock.getsockname())
@@ -1122,6 +1202,31 @@ def test_the_pacing_quantum_is_read_from_its_setting_and_a_bad_one_refused_by_na
     for bad in ("-0.001", "2", "fast"):
         with pytest.raises(config.ConfigError, match="MXPS_LTP_QUANTUM"):
             config.from_env(dict(base, MXPS_LTP_QUANTUM=bad))
+
+
+def test_the_ablation_settings_of_the_grace_end_copies_and_grant_parse_and_refuse_by_name():
+    from mxps import config
+    base = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000",
+            "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "MXPS_PUSH": "ltp"}
+    cfg = config.from_env(base)
+    assert (cfg.ltp_grace_always, cfg.ltp_end_copies, cfg.ltp_busy_windows, cfg.ltp_owing) == \
+        (False, 4, True, True)
+    cfg = config.from_env(dict(base, MXPS_LTP_GRACE_ALWAYS="1", MXPS_LTP_END_COPIES="1",
+                               MXPS_LTP_BUSY_WINDOWS="0", MXPS_LTP_OWING="0"))
+    assert (cfg.ltp_grace_always, cfg.ltp_end_copies, cfg.ltp_busy_windows, cfg.ltp_owing) == \
+        (True, 1, False, False)
+    for name, bad in (("MXPS_LTP_END_COPIES", "0"), ("MXPS_LTP_END_COPIES", "two"),
+                      ("MXPS_LTP_OWING", "maybe"), ("MXPS_LTP_BUSY_WINDOWS", "2")):
+        with pytest.raises(config.ConfigError, match=name):
+            config.from_env(dict(base, **{name: bad}))
+
+
+def test_with_one_end_copy_a_lossy_path_sends_its_end_once(link_factory):
+    link = link_factory(MB4, drop=0.1)
+    link.tx.end_copies = 1
+    link.push(np.ones(MB4, np.float32))
+    assert link.run() == ["push"]
+    assert link.tx.paths[0].loss > 0.05 and link.tx.counts["end_copies"] == 0
 
 
 def test_packet_numbers_wrap_around_instead_of_failing_the_send(link_factory):

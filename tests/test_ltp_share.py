@@ -216,3 +216,147 @@ def test_kth_highest_ignores_the_k_minus_one_highest():
     assert share.kth_highest([], 3) is None
     assert share.kth_highest([5.0, 1.0], 3) == 1.0
     assert share.kth_highest([9.0, 1.0, 7.0, 3.0, 8.0], 3) == 7.0
+
+
+# --- stamped arrivals: the link's busy time, gain phases, who owes a round ------------------
+
+def _rounds_loop(s, workers, link, rounds, message, loss=0.0, queue=0.002, gap=0.002,
+                 nbytes=1472, seed=3, dt=0.00005, clock=1.7e9, burst=0):
+    """Synchronous rounds: each of ``workers`` pushes ``message`` bytes as packets of
+    ``nbytes`` paced at its grant (the start rate at a round's start), then an END; random
+    ``loss`` before a drop-tail queue of ``queue`` seconds into a ``link`` of bytes/s whose
+    idle time lets ``burst`` bytes through at once (a token bucket); the server sees each
+    packet stamped as it leaves the link (``clock`` + t, another clock than its read time
+    t) and the round opens when its pushes start; ``gap`` seconds between rounds.  Returns
+    (round times from start to the last END, packets dropped by the queue / sent)."""
+    rng = random.Random(seed)
+    limit = max(1, int(queue * link / nbytes))
+    t, times, sent_n, dropped = 0.0, [], 0, 0
+    for _ in range(rounds):
+        s.opened(workers)
+        start, left, credit, rate = t, {w: message for w in workers}, {w: 0.0 for w in workers}, {}
+        fifo, served, ended, tokens = collections.deque(), 0.0, set(), burst
+        grant, first = s.grants(t)
+        for w in workers:
+            rate[w] = first or link / len(workers)
+        while len(ended) < len(workers):
+            for w in workers:
+                if w in ended or left[w] < 0:
+                    continue
+                credit[w] += rate[w] * dt
+                while credit[w] >= nbytes and left[w] > 0:
+                    credit[w] -= nbytes
+                    left[w] -= nbytes
+                    sent_n += 1
+                    if rng.random() < loss:
+                        continue
+                    if len(fifo) >= limit:
+                        dropped += 1
+                        continue
+                    fifo.append((w, nbytes, False))
+                if left[w] <= 0:
+                    fifo.append((w, 96, True))
+                    left[w] = -1
+            served += link * dt
+            while fifo and (served >= fifo[0][1] or tokens >= fifo[0][1]):
+                w, n, end = fifo.popleft()
+                if tokens >= n:
+                    tokens -= n
+                else:
+                    served -= n
+                s.on_packet(w, n, t, True, clock + t, end)
+                if end:
+                    ended.add(w)
+                    s.settled(w)
+            if not fifo:
+                served = 0.0
+            t += dt
+            g = s.grant(t)
+            for w in workers:
+                if g:
+                    rate[w] = g
+        times.append(t - start)
+        t += gap
+    return times, dropped / max(1, sent_n)
+
+
+def test_idle_time_between_rounds_does_not_lower_the_capacity():
+    # rounds of 8 x 50 KB at the link's rate with 2 ms between them: windows over all the
+    # time measured 80% of the link
+    s = Share(8)
+    link, t, clock = 50e6, 0.0, 1.7e9
+    for _ in range(300):
+        s.opened(range(8))
+        for _ in range(35):
+            for w in range(8):
+                s.on_packet(w, 1472, t, True, clock + t)
+                t += 1472 / link
+        for w in range(8):
+            s.on_packet(w, 96, t, True, clock + t, end=True)
+            s.settled(w)
+            t += 96 / link
+        t += 0.002
+    assert s.capacity == pytest.approx(link, rel=0.02)
+
+
+def test_a_burst_after_idle_does_not_count_above_the_link():
+    # a token bucket lets 10 kB through at once after every idle time: counted, 3% over
+    s = Share(8)
+    times, _ = _rounds_loop(s, range(8), 50e6, 150, 51200, burst=10000, loss=0.0)
+    assert s.capacity <= 50e6 * 1.01
+
+
+@pytest.mark.parametrize("loss", [0.01, 0.1])
+def test_with_random_loss_small_rounds_find_the_link_and_last_about_their_bytes_time(loss):
+    s = Share(8)
+    link, message = 50e6, 51200
+    times, dropped = _rounds_loop(s, range(8), link, 300, message, loss=loss)
+    ideal = 8 * message / link
+    assert s.capacity >= 0.95 * link
+    later = times[150:]
+    assert sum(later) / len(later) <= 1.1 * ideal
+    assert dropped < 0.03
+
+
+def test_the_workers_that_still_owe_a_round_share_the_link_and_a_new_push_starts_at_an_equal_share():
+    s = Share(4)
+    end = _feed(s, range(4), 50e6 / 4, 0.3)         # read-time windows: a capacity
+    assert s.capacity == pytest.approx(50e6, rel=0.05)
+    g = share.gain(end) * s.capacity
+    assert s.grants(end) == pytest.approx((g / 4, g / 4))        # nobody owes: all active
+    s.opened(range(4))
+    assert s.grants(end) == pytest.approx((g / 4, g / 4))
+    s.settled(0)
+    s.settled(1)
+    assert s.grants(end) == pytest.approx((g / 2, g / 4))        # 2 and 3 are still sending
+    s.settled(2)
+    s.settled(3)
+    s.settled(3)                                                  # settling twice: no debt
+    assert s.grants(end) == pytest.approx((g / 4, g / 4))
+    s.opened([2])
+    assert s.grants(end) == pytest.approx((g, g / 4))
+
+
+def test_the_ablations_measure_over_all_the_time_and_share_among_all_active_workers():
+    def rounds(s):
+        link, t, clock = 50e6, 0.0, 1.7e9
+        for _ in range(300):
+            s.opened(range(8))
+            for _ in range(35):
+                for w in range(8):
+                    s.on_packet(w, 1472, t, True, clock + t)
+                    t += 1472 / link
+            for w in range(8):
+                s.on_packet(w, 96, t, True, clock + t, end=True)
+                s.settled(w)
+                t += 96 / link
+            t += 0.004
+        return t
+    old = Share(8, busy_windows=False, owing=False)
+    end = rounds(old)
+    assert old.capacity < 0.95 * 50e6              # the idle time between rounds counted
+    old.opened(range(8))
+    for w in range(6):
+        old.settled(w)
+    g = share.gain(end) * old.capacity
+    assert old.grants(end) == pytest.approx((g / 8, g / 8))

@@ -12,6 +12,7 @@ A message is ``message_bytes / 4`` float32 elements, one slice of key 0; round k
 iteration k.
 """
 import json
+import os
 import select
 import sys
 import socket
@@ -21,12 +22,16 @@ import time
 import numpy as np
 
 from . import close, packet as pk
+from ..config import ltp_settings
 from .receiver import Receiver
 from .rounds import LtpRound
 from .sender import Sender
 
 _LEN = struct.Struct("<I")
 FLOAT32 = 0
+# the job's MXPS_LTP_* settings that the push alone follows too (grace, END copies, the
+# grant's rules): ablations of the benchmark set them as a job would
+_SETTINGS = ltp_settings(os.environ)
 
 
 class IncastError(RuntimeError):
@@ -81,7 +86,7 @@ class LtpSender:
                                       % (spec.sender, host, spec.port)) from None
                 time.sleep(0.05)
         local = ctl.getsockname()[0]
-        self.sender = Sender(spec.sender, local)
+        self.sender = Sender(spec.sender, local, end_copies=_SETTINGS["ltp_end_copies"])
         _send_blob(ctl, json.dumps({"sender": spec.sender, "hello": json.loads(
             self.sender.hello_body(host, spec.port))}).encode())
         # the reply is read at the first send: the receiver answers hellos only once the
@@ -155,7 +160,9 @@ class LtpReceiver:
             body = json.loads(_recv_blob(conn))
             if self.receiver is None:
                 host = conn.getsockname()[0]
-                self.receiver = Receiver(host, self.spec.senders, self.spec.mtu)
+                self.receiver = Receiver(host, self.spec.senders, self.spec.mtu,
+                                         busy_windows=_SETTINGS["ltp_busy_windows"],
+                                         owing=_SETTINGS["ltp_owing"])
             _send_blob(conn, self.receiver.hello(int(body["sender"]),
                                                  json.dumps(body["hello"]).encode()))
             conn.close()
@@ -171,14 +178,16 @@ class LtpReceiver:
             self.first_byte = now
         if f.type == pk.DATA:
             rnd.add(f.worker, f.seq, f.count, payload, now)
-        else:
+        elif rnd.ends[f.worker] is None:
             rnd.end(f.worker, f.seq, now)
+            self.receiver.share.settled(f.worker)
 
     def receive_round(self, round_no):
         n = self.spec.message_bytes // 4
         epp = pk.elements_per_packet(self.receiver.budget, 4)
         rnd = self._round = LtpRound(np.zeros(n, np.float32), epp, self.spec.senders, FLOAT32)
         self._round_no = round_no
+        self.receiver.share.opened(range(rnd.workers))
         self.first_byte = None
         deadline = time.monotonic() + self.spec.round_timeout
         sock = self.receiver.sock
@@ -190,7 +199,11 @@ class LtpReceiver:
                 loss = max(self.receiver.loss) if self.receiver.loss else 0.0
                 ratio = close.acceptance_ratio(rnd.n, loss)
                 reason, wake = close.decide(now, [rnd.n] * rnd.workers, rnd.received,
-                                            rnd.heard, rnd.ends, ratio, 0.002,
+                                            rnd.heard, rnd.ends, ratio,
+                                            close.grace_for(
+                                                _SETTINGS["ltp_grace"],
+                                                None if _SETTINGS["ltp_grace_always"]
+                                                else self.receiver.reordered_at, now),
                                             self.spans.value())
                 if reason is not None:
                     break
@@ -202,6 +215,9 @@ class LtpReceiver:
                 select.select([sock], [], [], timeout)
         finally:
             self._round = None
+            for w in range(rnd.workers):
+                if rnd.ends[w] is None:
+                    self.receiver.share.settled(w)
         self.spans.closed(reason, None if rnd.last is None else rnd.last - max(rnd.heard))
         rnd.fill("zero")
         delivered = sum(rnd.received[w] for w in range(rnd.workers))

@@ -23,10 +23,12 @@ itself, so the server can add it into the round's accumulator in any order:
                 where E = elements_per_packet(budget, itemsize) (no value split across packets)
     -16    16   tag: keyed BLAKE2b-128 of everything before it, with the path's key
 
-An ACK (server -> worker) is ``magic, version, 3, worker, n, grant`` and then ``n`` ranges
-``(first pn, how many)`` of packet numbers received, then the tag; ``grant`` (uint32, KB/s,
-0: none) is the rate the server asks this worker not to exceed (its share of what the server
-receives, receiver.Receiver).  Each worker's key is 32
+An ACK (server -> worker) is ``magic, version, 3, worker, n, grant, start`` and then ``n``
+ranges ``(first pn, how many)`` of packet numbers received, then the tag; ``grant`` (uint32,
+KB/s, 0: none) is the rate the server asks this worker not to exceed (its share of what the
+server receives, share.Share), ``start`` (the same unit) the rate to begin its next push at
+after its path went idle (an equal share among all active workers: the grant may have been
+raised while others had nothing left to send).  Each worker's key is 32
 random bytes its server handed it over the job's authenticated TCP connection (LTP_HELLO), so
 only a node of the job can make a packet the server accepts, a worker cannot speak for another,
 and a server verifies the tag before it reads a field.  Replays change nothing: a (key, round,
@@ -39,7 +41,7 @@ import hmac
 import struct
 
 DATA, END, ACK = 1, 2, 3
-VERSION = 1
+VERSION = 2
 MAGIC = b"LT"
 _HEADER = struct.Struct("<2sBBHBBIiIqQQII")
 HEADER_SIZE = _HEADER.size           # 52
@@ -47,8 +49,8 @@ TAG_SIZE = 16
 OVERHEAD = HEADER_SIZE + TAG_SIZE    # LTP's bytes per datagram beyond the payload
 IP_UDP = 28                          # IPv4 + UDP headers
 MAX_DATAGRAM = 65507                 # the largest UDP payload over IPv4
-_ACK_HEAD = struct.Struct("<2sBBHHI")
-ACK_HEADER_SIZE = _ACK_HEAD.size     # 12
+_ACK_HEAD = struct.Struct("<2sBBHHII")
+ACK_HEADER_SIZE = _ACK_HEAD.size     # 16
 _RANGE = struct.Struct("<II")
 MAX_ACK_RANGES = 128
 KEY_SIZE = 32
@@ -202,15 +204,20 @@ def to_ranges(pns):
     return [tuple(r) for r in out]
 
 
-def encode_acks(tagger, worker, pns, grant=0.0):
-    """ACK datagrams (bytes) naming every packet number in ``pns``, with the rate ``grant``
-    (bytes/s; 0: none)."""
+def _kbps(rate):
+    return min(int(rate / 1000.0), 0xFFFFFFFF) if rate > 0 else 0
+
+
+def encode_acks(tagger, worker, pns, grant=0.0, start=0.0):
+    """ACK datagrams (bytes) naming every packet number in ``pns``, with the rates ``grant``
+    and ``start`` (bytes/s; 0: none)."""
     ranges = to_ranges(pns)
     out = []
-    kbps = min(int(grant / 1000.0), 0xFFFFFFFF) if grant > 0 else 0
+    kbps, start_kbps = _kbps(grant), _kbps(start)
     for i in range(0, len(ranges), MAX_ACK_RANGES):
         chunk = ranges[i:i + MAX_ACK_RANGES]
-        body = _ACK_HEAD.pack(MAGIC, VERSION, ACK, worker, len(chunk), kbps) + b"".join(
+        body = _ACK_HEAD.pack(MAGIC, VERSION, ACK, worker, len(chunk), kbps,
+                              start_kbps) + b"".join(
             _RANGE.pack(a, n) for a, n in chunk)
         out.append(body + tagger.tag(body))
     return out
@@ -223,14 +230,14 @@ def decode_ack(datagram, tagger, worker):
 
 
 def decode_ack_grant(datagram, tagger, worker):
-    """``(ranges, grant)`` of a verified ACK: ``decode_ack``'s ranges and the server's rate
-    grant in bytes/s (0: none)."""
+    """``(ranges, grant, start)`` of a verified ACK: ``decode_ack``'s ranges and the server's
+    rate grant and start rate in bytes/s (0: none)."""
     mv = memoryview(datagram)
     if mv.nbytes < _ACK_HEAD.size + TAG_SIZE:
         raise PacketError("short", "a %d-byte datagram is too short for an ACK" % mv.nbytes)
     if not tagger.check(mv):
         raise PacketError("tag", "an ACK with a bad tag")
-    magic, version, type_, w, n, kbps = _ACK_HEAD.unpack_from(mv)
+    magic, version, type_, w, n, kbps, start_kbps = _ACK_HEAD.unpack_from(mv)
     if magic != MAGIC or version != VERSION or type_ != ACK:
         raise PacketError("type", "not an LTP ACK")
     if w != worker:
@@ -238,4 +245,4 @@ def decode_ack_grant(datagram, tagger, worker):
     if mv.nbytes != _ACK_HEAD.size + n * _RANGE.size + TAG_SIZE:
         raise PacketError("size", "an ACK of %d ranges has %d bytes" % (n, mv.nbytes))
     return ([_RANGE.unpack_from(mv, _ACK_HEAD.size + i * _RANGE.size) for i in range(n)],
-            kbps * 1000.0)
+            kbps * 1000.0, start_kbps * 1000.0)

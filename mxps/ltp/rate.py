@@ -179,6 +179,11 @@ class PathRate:
         return self._srtt
 
     @property
+    def delivered_bytes(self):
+        """Bytes acknowledged so far (late ACKs of given-up packets included)."""
+        return self._delivered
+
+    @property
     def pacing_rate(self):
         return self._pacing
 

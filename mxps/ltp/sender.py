@@ -7,7 +7,9 @@ has come (the per-server priority queue and send window are the same as for TCP)
 *normal* (a lost one is never resent: the server's Early Close and Bubble Filling deal with it);
 its END, sent after the last DATA packet, is *critical*: resent (with a new packet number) until
 ACKed, with a timeout from the path's RTT and a doubling backoff.  The END's ACK completes the
-push, as the server's ACK of a TCP push does.
+push, as the server's ACK of a TCP push does.  On a lossy path an END goes as several copies at
+once (``end_copies`` of the path's measured loss): a lost END costs its push a retransmission
+timeout (5 ms at least), which at 10% loss hit more than half of an 8-worker round's ENDs.
 
 Each (worker -> server) path paces at its ``rate.PathRate`` model: bottleneck rate and minimum
 RTT from the ACKs, random loss not taken for congestion.  The packets one pump sends on a path
@@ -23,6 +25,7 @@ as lost too).
 import collections
 import json
 import logging
+import math
 import random
 import socket
 
@@ -53,6 +56,13 @@ PUMP_CREDIT = 0.004
 # 11.3 us).  Linux's TCP paces bursts of ~1 ms of data too (TSO autosizing, sk_pacing_shift).
 # The loop sleeps whole milliseconds rounded up (roles.worker), so 1 ms here is a 1-2 ms sleep.
 PACING_QUANTUM = 0.001
+# An END goes as the fewest copies whose all being lost is at most END_LOSS_TARGET likely at the
+# path's loss rate (end_copies), at most MAX_END_COPIES; the loss rate is the share of the bytes
+# the path settled (delivered, or given up by the rate model) that were lost, averaged over
+# about LOSS_WINDOW_PACKETS packets
+END_LOSS_TARGET = 1e-3
+MAX_END_COPIES = 4
+LOSS_WINDOW_PACKETS = 256
 ACK_BATCH = 64             # ACK datagrams per read
 ACK_SLOT = 4096            # an ACK: a 12-byte head, pk.MAX_ACK_RANGES ranges of 8, the tag: 1052
 IP_MTU = getattr(socket, "IP_MTU", 14)
@@ -68,6 +78,17 @@ def path_mtu(host, port):
         return 1500
     finally:
         s.close()
+
+
+def end_copies(loss, target=END_LOSS_TARGET, cap=MAX_END_COPIES):
+    """How many copies of an END to send at once on a path that loses a fraction ``loss`` of
+    its packets (independently): the fewest k with loss ** k <= ``target``, 1 to ``cap``."""
+    p = min(max(float(loss), 0.0), 1.0)
+    if p <= target:
+        return 1
+    if p >= 1.0:
+        return cap
+    return max(1, min(cap, math.ceil(math.log(target) / math.log(p) - 1e-9)))
 
 
 class _Push:
@@ -91,7 +112,8 @@ class _Push:
 
 
 class _Path:
-    __slots__ = ("server", "addr", "tagger", "budget", "rate", "pn", "queue", "ends", "waiting")
+    __slots__ = ("server", "addr", "tagger", "budget", "rate", "pn", "queue", "ends", "waiting",
+                 "loss", "_settled", "start_rate")
 
     def __init__(self, server, addr, key, budget, now, initial_rate):
         self.server = server
@@ -104,15 +126,33 @@ class _Path:
         self.queue = collections.deque()     # pushes with packets still to send
         self.ends = {}                       # END packet number -> its push (not ACKed yet)
         self.waiting = []                    # pushes whose END is not ACKed yet
+        self.loss = 0.0                      # measured loss rate (update_loss)
+        self._settled = (0, 0)               # (delivered, lost) bytes at the last update
+        self.start_rate = 0.0                # the server's rate for a push after idle (ACKs)
+
+    def update_loss(self):
+        """Fold the bytes settled since the last call into ``loss``: lost (given up by the
+        rate model and never ACKed late) over delivered + lost, weighted by how many bytes
+        settled (a window of about LOSS_WINDOW_PACKETS packets)."""
+        r = self.rate
+        delivered, lost = r.delivered_bytes, r.lost_bytes - r.late_bytes
+        d, l = delivered - self._settled[0], lost - self._settled[1]
+        if d + l <= 0:
+            return self.loss
+        self._settled = (delivered, lost)
+        w = min(1.0, (d + l) / float(LOSS_WINDOW_PACKETS * r.mss))
+        self.loss += w * (max(0.0, l) / float(d + l) - self.loss)
+        return self.loss
 
 
 class Sender:
     """The UDP socket of worker ``worker`` and one path per server."""
 
     def __init__(self, worker, host, drop=0.0, seed=0, itemsize_of=None,
-                 quantum=PACING_QUANTUM):
+                 quantum=PACING_QUANTUM, end_copies=MAX_END_COPIES):
         self.worker = worker
         self.quantum = quantum
+        self.end_copies = end_copies          # the most copies of an END (1: one END)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         big_buffer(self.sock, socket.SO_SNDBUF, SO_SNDBUFFORCE, SNDBUF)
         big_buffer(self.sock, socket.SO_RCVBUF, SO_RCVBUFFORCE, 1 << 20)
@@ -154,6 +194,10 @@ class Sender:
     def enqueue(self, server, h, payload, itemsize, on_done):
         """Send push ``h`` of ``payload``; ``on_done(push)`` runs when its END is ACKed."""
         path = self.paths[server]
+        if not path.queue and not path.waiting and path.start_rate:
+            # the path was idle: begin at the server's start rate, not at a grant raised while
+            # others had nothing to send (ltp.share)
+            path.rate.cap(path.start_rate)
         path.queue.append(_Push(h, payload, itemsize, path.budget, on_done))
 
     @property
@@ -267,13 +311,9 @@ class Sender:
         self.counts["data"] += 1
 
     def _send_end(self, path, push, now):
+        """Send push's END (the first time or again), as ``end_copies`` of the path's loss
+        datagrams: an ACK of any of them completes the push."""
         h = push.h
-        pn = path.pn
-        path.pn += 1
-        bufs = pk.encode(path.tagger, pk.END, self.worker, h.dtype, pn & pk.PN_MASK, h.key,
-                         h.plan_version,
-                         h.iteration, h.offset, h.length, push.n, 0)
-        path.rate.on_send(pn, pk.OVERHEAD, now)
         if push.rto is None:
             rtt = path.rate.min_rtt
             push.rto = max(MIN_RTO, 4 * rtt) if rtt else 4 * MIN_RTO
@@ -281,12 +321,20 @@ class Sender:
             push.next = push.n + 1
             push.first_end = now
             path.waiting.append(push)
-        push.end_pns.append(pn)
+        copies = end_copies(path.update_loss(), cap=self.end_copies)
+        for _ in range(copies):
+            pn = path.pn
+            path.pn += 1
+            bufs = pk.encode(path.tagger, pk.END, self.worker, h.dtype, pn & pk.PN_MASK, h.key,
+                             h.plan_version, h.iteration, h.offset, h.length, push.n, 0)
+            path.rate.on_send(pn, pk.OVERHEAD, now)
+            push.end_pns.append(pn)
+            path.ends[pn] = push
+            self._transmit(path, bufs)
         push.end_at = now
         push.tries += 1
-        path.ends[pn] = push
-        self._transmit(path, bufs)
         self.counts["end"] += 1
+        self.counts["end_copies"] += copies - 1
 
     def _transmit(self, path, bufs):
         """Queue one datagram for ``path``; ``pump`` sends the path's queue (``_flush``) once
@@ -341,7 +389,7 @@ class Sender:
             self.counts["ack_stranger"] += 1
             return
         try:
-            ranges, grant = pk.decode_ack_grant(dgram, path.tagger, self.worker)
+            ranges, grant, start = pk.decode_ack_grant(dgram, path.tagger, self.worker)
         except pk.PacketError as e:
             self.counts["ack_" + e.reason] += 1
             return
@@ -351,6 +399,8 @@ class Sender:
                for first, n in ranges for pn in range(first, first + n)]
         if grant:             # the server's share for this worker (ltp.share)
             path.rate.cap(grant)
+        if start:
+            path.start_rate = start
         path.rate.on_ack(pns, now)
         for pn in pns:
             push = path.ends.get(pn)

@@ -57,6 +57,8 @@ RANK = 2               # ... the RANK-th highest (a lone burst from a late read 
 ACTIVE = 0.5           # a worker is active if a packet of it came within this many seconds
 #                        (longer than a training step's compute: a round's early pushers do
 #                        not get the whole link just because the others have not started)
+IDLE_GAP = 4 * WINDOW  # seconds without a packet after which the link was idle anyway
+TRAIN_SKIP = 0.001     # seconds at the start of a busy time not counted (a burst after idle)
 GAINS = (1.15, 0.85, 1.0, 1.0)   # the grant's gain over an exact share, one WINDOW each, in turn
 #                        (the same phase for every worker: the sum of their rates probes)
 
@@ -76,8 +78,15 @@ def gain(now):
 
 
 class Share:
-    def __init__(self, num_workers):
+    """``busy_windows``: with arrival stamps, the capacity over the link's busy time, a sample
+    per gain phase (``_arrival``; False: windows over all the time, as before issue #11's
+    session 16, for ablations); ``owing``: the grant shared by the workers that still owe an
+    open round (False: by all active workers)."""
+
+    def __init__(self, num_workers, busy_windows=True, owing=True):
         self.n = num_workers
+        self.busy_windows = busy_windows
+        self.owing = owing
         self._start = None              # the window: reads in (start, read]; None: no window
         #                                 (waiting for a read that drains the socket)
         self._read = None               # the time of the last read (its packets share it)
@@ -85,12 +94,21 @@ class Share:
         self._bytes = 0
         self._samples = deque()         # (window end, bytes/s), oldest first
         self._last = [None] * num_workers
+        # stamped arrivals (_arrival): who is sending, and the window's busy time
+        self._sending = [False] * num_workers
+        self._busy_workers = 0
+        self._busy = 0.0
+        self._train = None              # when the current busy time began
+        self._offset = None             # stamp clock - read clock, at the first stamp
+        self._phase = None              # the gain phase the busy time and bytes are of
+        self._owing = [0] * num_workers      # open rounds each worker's push is owed to
         self.capacity = None
 
-    def on_packet(self, worker, nbytes, now, drained=True, arrival=None):
+    def on_packet(self, worker, nbytes, now, drained=True, arrival=None, end=False):
         """A packet of ``nbytes`` from ``worker`` was read at ``now`` (the packets of one
         batch read share their ``now``); ``drained``: that read emptied the socket (it returned
-        fewer datagrams than it could take).  A window runs from one read to a later one and
+        fewer datagrams than it could take); ``end``: it is an END (the worker has sent its
+        push whole).  A window runs from one read to a later one and
         holds the bytes of the reads after its start: those arrived within it, provided the
         read at its start drained the socket.  So a window starts only at a draining read: after
         a read that left datagrams behind (a server behind its link), the next reads hold what
@@ -100,14 +118,16 @@ class Share:
         the pause's bytes in the next window either.
 
         ``arrival``: the kernel's arrival time of the packet (SO_TIMESTAMPNS, another clock
-        than ``now``; None if there is none).  With it each packet is its own "read" at the
-        moment it arrived, drained by definition: the windows are the link's own schedule,
-        whenever the server read them (``now`` still says when the worker was last active)."""
+        than ``now``; None if there is none).  With it the windows are the link's own schedule,
+        whenever the server read them (``now`` still says when the worker was last active),
+        and they count only the link's busy time (``_arrival``)."""
         self._last[worker] = now
         if arrival is not None:
-            now, drained = arrival, True
+            if self.busy_windows:
+                self._arrival(worker, nbytes, arrival, now, end)
+                return
+            now, drained = arrival, True        # each packet its own read at its arrival
             if self._read is not None and now < self._read:
-                # a clock step back (the realtime clock was set): start over from here
                 self._read, self._start, self._bytes = now, now, 0
                 return
         if self._read is None:
@@ -133,6 +153,55 @@ class Share:
         if self._start is not None and now > self._start:
             self._bytes += nbytes
 
+    def _arrival(self, worker, nbytes, t, now, end):
+        """A packet that arrived at ``t`` (the kernel's stamp), read at ``now``.
+
+        A rate sample is one phase of the grant's gain (a ``WINDOW`` of the read clock, which
+        ``t`` is mapped to by the offset between the clocks at the first stamp), over the link's
+        busy time in it: the time between consecutive arrivals while some worker was sending,
+        i.e. had a packet of its push here and not yet its END (and for at most ``IDLE_GAP``
+        without a packet: an END lost and being resent, a worker gone); a phase with less than
+        half a window of it gives no sample.
+        - Busy time, not all of it: the time after every worker's END until the next packet is
+          the link idle, not carrying less.  Counted, it made every window of a job of small
+          pushes a mix of both (rounds of 8 x 50 KB with the round trip between them: a
+          capacity of 75-92% of the link), and the grant cut from it made the next rounds
+          longer still (docs/bench/RESULTS.md).
+        - The first ``TRAIN_SKIP`` of a busy time does not count (its first packet was sent
+          before its stamp): a link idle for a while lets a burst through at once (a token
+          bucket full of tokens, a NIC's coalesced interrupt; the emulated switch's tbf:
+          10 kB), which counted made the capacity 3% more than the link could carry (50.0
+          MB/s where LTP's datagrams fill a 400 Mbit/s link at 48.6: 3% of the packets dropped
+          by the queue with no random loss).
+        - One sample per gain phase: random loss before the bottleneck delivers 1 - p of what
+          is sent, so only a probe phase's sample (1.15 (1 - p) of the capacity) can raise the
+          capacity when the link is not full; a window across phases averages the gains to 1
+          and the capacity sank to 65% of the link at 10% loss."""
+        sending = self._sending
+        prev, self._read = self._read, t
+        if self._offset is None or (prev is not None and t < prev):
+            # the first stamp, or a clock step back (the realtime clock was set): start over
+            self._offset, self._phase, self._busy, self._bytes = t - now, None, 0.0, 0
+            prev = None
+        busy = self._busy_workers > 0 and prev is not None and t - prev < IDLE_GAP
+        if not busy:
+            self._train = t
+        if end:
+            if sending[worker]:
+                sending[worker] = False
+                self._busy_workers -= 1
+        elif not sending[worker]:
+            sending[worker] = True
+            self._busy_workers += 1
+        phase = int((t - self._offset) / WINDOW)
+        if phase != self._phase:
+            if self._busy >= WINDOW / 2:
+                self._add(t, self._bytes / self._busy)
+            self._phase, self._busy, self._bytes = phase, 0.0, 0
+        if busy and t - self._train >= TRAIN_SKIP:
+            self._busy += t - prev
+            self._bytes += nbytes
+
     def _add(self, now, rate):
         samples = self._samples
         samples.append((now, rate))
@@ -140,14 +209,45 @@ class Share:
             samples.popleft()
         self.capacity = kth_highest([r for _, r in samples])
 
+    def opened(self, workers):
+        """A round opened that each of ``workers`` owes its push to (until ``settled``)."""
+        for w in workers:
+            self._owing[w] += 1
+
+    def settled(self, worker):
+        """``worker``'s push to an open round arrived whole (its END) or the round closed."""
+        if self._owing[worker] > 0:
+            self._owing[worker] -= 1
+
     def grant(self, now):
-        """The rate (bytes/s) each active worker is asked not to exceed at ``now``: the
-        ``gain(now)`` times an equal share of the capacity; 0 before the first sample (no
-        grant: the workers' own models rule)."""
+        """``grants(now)``'s grant."""
+        return self.grants(now)[0]
+
+    def grants(self, now):
+        """``(grant, start)`` at ``now``: the rate (bytes/s) each active worker is asked not to
+        exceed, and the rate a worker begins its next push at after its path went idle (an
+        equal share among all active workers: a grant raised while others had nothing left
+        to send would let every worker begin the next round at it).  The grant is the
+        ``gain(now)`` times an equal share of the capacity among the active workers that still
+        owe an open round their push (all active workers if none does); 0 before the first
+        sample (no grant: the workers' own models rule).  A worker whose pushes are all in
+        leaves its share to the others: the last of a round's pushers get the link, so the
+        round ends when its bytes are in, not when a late starter has sent them at an
+        eighth of the link (measured, the push alone, 8 x 50 KB at 10% loss: the last worker
+        started 2.4 ms after the first and its last packet came 10-11 ms into an 8.6 ms round,
+        docs/bench/RESULTS.md).  A round's workers all owe it from its first packet on, those
+        not yet heard too, so its start is shared by all (the grants of 2026-12's reverted
+        change, a worker active only while it sent, gave the first pusher the link and
+        overran the queue when the others came)."""
         if self.capacity is None:
-            return 0.0
-        active = [w for w in range(self.n)
-                  if self._last[w] is not None and now - self._last[w] <= ACTIVE]
+            return 0.0, 0.0
+        active = owing = 0
+        for w in range(self.n):
+            last = self._last[w]
+            if last is not None and now - last <= ACTIVE:
+                active += 1
+                owing += self._owing[w] > 0
         if not active:
-            return 0.0
-        return gain(now) * self.capacity / len(active)
+            return 0.0, 0.0
+        g = gain(now) * self.capacity
+        return g / ((owing if self.owing else 0) or active), g / active

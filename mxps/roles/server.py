@@ -99,10 +99,15 @@ class Server:
         ltp = None
         if self.cfg.push == "ltp" and self.cfg.sync:
             from ..ltp.receiver import Receiver
-            self.ltp = Receiver(host, self.num_workers, self.cfg.ltp_mtu)
+            self.ltp = Receiver(host, self.num_workers, self.cfg.ltp_mtu,
+                                busy_windows=self.cfg.ltp_busy_windows,
+                                owing=self.cfg.ltp_owing)
             ltp = LtpSettings(self.ltp.budget, self.cfg.ltp_fill, self.cfg.ltp_ratio,
                               self.cfg.ltp_deadline, self.cfg.ltp_grace,
-                              loss=lambda: self.ltp.loss)
+                              loss=lambda: self.ltp.loss,
+                              reordered=(None if self.cfg.ltp_grace_always
+                                         else lambda: self.ltp.reordered_at),
+                              share=self.ltp.share)
             log.info("server %d: LTP on udp %s:%d, %d payload bytes per packet (MTU %d)",
                      self.rank, host, self.ltp.port, self.ltp.budget, self.ltp.mtu)
         wsp = None

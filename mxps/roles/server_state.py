@@ -290,13 +290,26 @@ class StoreSettings:
         return give
 
 
+class _NoShare:
+    """A server state without a receiver (tests): nobody to tell who owes a round."""
+
+    def opened(self, workers):
+        pass
+
+    def settled(self, worker):
+        pass
+
+
 class LtpSettings:
     """What a server's LTP rounds follow (docs/LTP.md): the filling, the acceptance ratio (0:
     adaptive), the deadline (-1: adaptive, 0: none), the grace after the last END, the packet
-    payload budget, and ``loss()``: each worker path's measured loss rate."""
+    payload budget, ``loss()``: each worker path's measured loss rate, ``reordered()``:
+    when a packet last came out of order (``close.grace_for``; None: the grace always
+    holds), and ``share``: the receiver's grant (``ltp.share.Share``), told which workers
+    owe an open round their push."""
 
     def __init__(self, budget, fill="rescale", ratio=0.0, deadline=-1.0, grace=0.002, z=1.0,
-                 floor=0.8, loss=None):
+                 floor=0.8, loss=None, reordered=None, share=None):
         if fill not in ltp_rounds.FILLS:
             raise ValueError("unknown filling %r" % fill)
         self.budget = budget
@@ -307,6 +320,9 @@ class LtpSettings:
         self.z = z
         self.floor = floor
         self.loss = loss or (lambda: None)
+        self.reordered = reordered or (lambda: None)
+        # the grant's account of who owes an open round its push (ltp.share.Share), or none
+        self.share = share or _NoShare()
 
 
 class _Slot:
@@ -900,6 +916,7 @@ class ServerState:
                 raise RequestError("key %d: worker %d pushed round %d by TCP after sending "
                                    "packets of it (or after it closed)"
                                    % (h.key, h.sender, h.iteration))
+            self.ltp.share.settled(h.sender)
         else:
             add_into(rnd.acc, grad, h.dtype)
         rnd.senders.add(h.sender)
@@ -1250,6 +1267,7 @@ class ServerState:
             itemsize = wire.dtype_of(slot.dtype_code).itemsize
             epp = ltp_packet.elements_per_packet(st.budget, itemsize)
             rnd.ltp = ltp_rounds.LtpRound(rnd.acc, epp, self.num_workers, slot.dtype_code)
+            st.share.opened(w for w in range(self.num_workers) if w not in rnd.senders)
             for w in rnd.senders:      # whole pushes (TCP) already in the sum
                 rnd.ltp.seen[w] = bytearray(b"\x01") * rnd.ltp.n
                 rnd.ltp.counts += 1
@@ -1275,7 +1293,10 @@ class ServerState:
                 if not first and lt.received[f.worker] < lowest * lt.n:
                     return
             else:
+                first = lt.ends[f.worker] is None
                 lt.end(f.worker, f.seq, now)
+                if first:
+                    st.share.settled(f.worker)
         except ValueError:
             raise _Drop("cut") from None
         self._ltp_check(slot, r, rnd, now)
@@ -1295,8 +1316,9 @@ class ServerState:
             deadline = slot.spans.value()
         else:
             deadline = st.deadline or None
+        grace = ltp_close.grace_for(st.grace, st.reordered(), now)
         reason, wake = ltp_close.decide(now, [lt.n] * lt.workers, lt.received, lt.heard,
-                                        lt.ends, ratio, st.grace, deadline)
+                                        lt.ends, ratio, grace, deadline)
         if reason is None:
             if wake is not None and (rnd.wake is None or wake < rnd.wake
                                      or rnd.wake <= now):
@@ -1304,6 +1326,9 @@ class ServerState:
                 heapq.heappush(self._wakes, (wake, slot.key, slot.offset, r))
             return
         rnd.closed = True
+        for w in range(lt.workers):
+            if lt.ends[w] is None:          # its END did not come: it owes the round no more
+                st.share.settled(w)
         rnd.frozen = lt.fill(st.fill)
         slot.spans.closed(reason, None if lt.last is None else lt.last - max(lt.heard))
         stats = self.ltp_stats
