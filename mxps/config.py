@@ -83,6 +83,7 @@ class Config:
     ltp_end_copies: int = 4         # the most copies an END goes as on a lossy path
     ltp_busy_windows: bool = True   # the grant's capacity over the link's busy time (ltp.share)
     ltp_owing: bool = True          # the grant shared by the workers that owe an open round
+    ltp_fair: bool = True           # the grant leaves other processes' TCP flows their share
     # test-only fault injection (docs/SETTINGS.md): pause at ``fault_point`` for
     # ``fault_hold`` seconds after announcing it in ``fault_dir`` (see roles.link.fault_point)
     fault_point: str = ""
@@ -231,7 +232,8 @@ def _ltp(env):
                 ltp_grace_always=_bool(env, "MXPS_LTP_GRACE_ALWAYS", False),
                 ltp_end_copies=_int(env, "MXPS_LTP_END_COPIES", 4, minimum=1),
                 ltp_busy_windows=_bool(env, "MXPS_LTP_BUSY_WINDOWS", True),
-                ltp_owing=_bool(env, "MXPS_LTP_OWING", True))
+                ltp_owing=_bool(env, "MXPS_LTP_OWING", True),
+                ltp_fair=_bool(env, "MXPS_LTP_FAIR", True))
 
 
 ltp_settings = _ltp       # the LTP settings alone (mxps.ltp.incast, the push-alone benchmark)

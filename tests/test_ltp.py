@@ -1209,12 +1209,12 @@ def test_the_ablation_settings_of_the_grace_end_copies_and_grant_parse_and_refus
     base = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000",
             "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "MXPS_PUSH": "ltp"}
     cfg = config.from_env(base)
-    assert (cfg.ltp_grace_always, cfg.ltp_end_copies, cfg.ltp_busy_windows, cfg.ltp_owing) == \
-        (False, 4, True, True)
+    assert (cfg.ltp_grace_always, cfg.ltp_end_copies, cfg.ltp_busy_windows, cfg.ltp_owing,
+            cfg.ltp_fair) == (False, 4, True, True, True)
     cfg = config.from_env(dict(base, MXPS_LTP_GRACE_ALWAYS="1", MXPS_LTP_END_COPIES="1",
-                               MXPS_LTP_BUSY_WINDOWS="0", MXPS_LTP_OWING="0"))
-    assert (cfg.ltp_grace_always, cfg.ltp_end_copies, cfg.ltp_busy_windows, cfg.ltp_owing) == \
-        (True, 1, False, False)
+                               MXPS_LTP_BUSY_WINDOWS="0", MXPS_LTP_OWING="0", MXPS_LTP_FAIR="0"))
+    assert (cfg.ltp_grace_always, cfg.ltp_end_copies, cfg.ltp_busy_windows, cfg.ltp_owing,
+            cfg.ltp_fair) == (True, 1, False, False, False)
     for name, bad in (("MXPS_LTP_END_COPIES", "0"), ("MXPS_LTP_END_COPIES", "two"),
                       ("MXPS_LTP_OWING", "maybe"), ("MXPS_LTP_BUSY_WINDOWS", "2")):
         with pytest.raises(config.ConfigError, match=name):

@@ -360,3 +360,92 @@ def test_the_ablations_measure_over_all_the_time_and_share_among_all_active_work
         old.settled(w)
     g = share.gain(end) * old.capacity
     assert old.grants(end) == pytest.approx((g / 8, g / 8))
+
+
+# --- other processes' TCP traffic into the host (others.ForeignTcp) ---------------------------
+
+def _with_tcp(s, n, link, seconds, queue=0.002, mss=1448, nbytes=1472, base_rtt=0.0002,
+              dt=0.0001, look=0.05, clock=1.7e9):
+    """``n`` backlogged LTP workers paced at their grant and one Reno-like TCP flow (window +1
+    MSS per round trip, halved once per round trip at a loss) share a ``link`` of bytes/s
+    behind a drop-tail queue of ``queue`` seconds; the server sees the LTP packets stamped as
+    they leave the link and, every ``look`` seconds, what the TCP flow delivered
+    (``Share.others``).  Returns the TCP flow's and the LTP workers' delivered bytes/s over the
+    second half."""
+    limit = queue * link
+    s.opened(range(n))
+    fifo, qbytes, served, t = collections.deque(), 0.0, 0.0, 0.0
+    credit = [0.0] * n
+    cwnd, inflight, acks, recover_until = 10.0 * mss, 0.0, collections.deque(), -1.0
+    tcp_done = ltp_done = 0.0
+    looked, looked_bytes, tcp_total = 0.0, 0.0, 0.0
+    half = seconds / 2
+    while t < seconds:
+        g = s.grant(t) or link / (n + 1)
+        for w in range(n):
+            credit[w] += g * dt
+            while credit[w] >= nbytes:
+                credit[w] -= nbytes
+                if qbytes + nbytes <= limit:
+                    fifo.append((w, nbytes))
+                    qbytes += nbytes
+        while inflight + mss <= cwnd:
+            inflight += mss
+            if qbytes + mss <= limit:
+                fifo.append((-1, mss))
+                qbytes += mss
+            else:                                   # dropped: seen a round trip later
+                acks.append((t + base_rtt + qbytes / link, False))
+        served += link * dt
+        while fifo and served >= fifo[0][1]:
+            w, size = fifo.popleft()
+            served -= size
+            qbytes -= size
+            if w < 0:
+                acks.append((t + base_rtt, True))
+                tcp_total += size
+                tcp_done += size if t >= half else 0.0
+            else:
+                s.on_packet(w, size, t, True, clock + t)
+                ltp_done += size if t >= half else 0.0
+        if not fifo:
+            served = 0.0
+        while acks and acks[0][0] <= t:
+            _, ok = acks.popleft()
+            inflight -= mss
+            if ok:
+                cwnd += mss * mss / cwnd
+            elif t >= recover_until:
+                cwnd = max(2 * mss, cwnd / 2)
+                recover_until = t + base_rtt + qbytes / link
+        if t - looked >= look:
+            s.others(t, (tcp_total - looked_bytes) / (t - looked), 1)
+            looked, looked_bytes = t, tcp_total
+        t += dt
+    return tcp_done / (seconds - half), ltp_done / (seconds - half)
+
+
+def test_a_tcp_flow_into_the_host_gets_its_share_and_the_workers_theirs():
+    link, n = 50e6, 4
+    fair = Share(n)
+    tcp, ltp = _with_tcp(fair, n, link, 6.0)
+    assert tcp >= 0.8 * link / (n + 1), tcp / (link / (n + 1))
+    assert ltp >= 0.8 * link * n / (n + 1), ltp / (link * n / (n + 1))
+    blind = Share(n, fair=False)                 # the scenario shows what it is for
+    tcp, _ = _with_tcp(blind, n, link, 6.0)
+    assert tcp < 0.5 * link / (n + 1)
+
+
+def test_without_other_traffic_the_workers_keep_the_whole_link():
+    s = Share(4)
+    end = _feed(s, range(4), 50e6 / 4, 0.3)
+    g = s.grant(end)
+    s.others(end, 0.0, 0)
+    assert s.grant(end) == g
+    s.others(end, 1e6, 1)                          # a small flow: the rest less a headroom
+    assert s.grant(end) == pytest.approx(share.gain(end) * (s.capacity * 0.95 - 1e6) / 4)
+    s.others(end, 40e6, 2)                         # two big ones: their per-flow share
+    assert s.grant(end) == pytest.approx(share.gain(end) * s.capacity * 4 / 6 / 4)
+    # a look older than OTHERS_HOLD no longer counts
+    s.others(end - share.OTHERS_HOLD - 0.01, 40e6, 2)
+    assert s.grant(end) == g

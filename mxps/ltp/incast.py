@@ -162,7 +162,8 @@ class LtpReceiver:
                 host = conn.getsockname()[0]
                 self.receiver = Receiver(host, self.spec.senders, self.spec.mtu,
                                          busy_windows=_SETTINGS["ltp_busy_windows"],
-                                         owing=_SETTINGS["ltp_owing"])
+                                         owing=_SETTINGS["ltp_owing"],
+                                         fair=_SETTINGS["ltp_fair"])
             _send_blob(conn, self.receiver.hello(int(body["sender"]),
                                                  json.dumps(body["hello"]).encode()))
             conn.close()

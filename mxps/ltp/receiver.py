@@ -35,6 +35,7 @@ import psutil
 
 from . import packet as pk
 from .packet import END
+from .others import ForeignTcp
 from .share import Share
 from ..kernels.ltp import enable_stamps, open_batch, recv_batch
 from ..wire.auth import Tally
@@ -48,6 +49,7 @@ RCVBUF = 16 << 20
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 BATCH = 64
+OTHERS_PERIOD = 0.05            # seconds between looks at other processes' TCP traffic
 SLOT = pk.MAX_DATAGRAM + 64     # a ring slot holds any UDP datagram whole
 BLOCK = 256
 IN_ORDER, REORDERED, IN_HOST = 0, 1, 2        # _Path.note
@@ -138,7 +140,7 @@ class _Path:
 class Receiver:
     """The UDP socket of server ``rank`` and the registered paths of its workers."""
 
-    def __init__(self, host, num_workers, mtu=0, busy_windows=True, owing=True):
+    def __init__(self, host, num_workers, mtu=0, busy_windows=True, owing=True, fair=True):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.rcvbuf = big_buffer(self.sock, socket.SO_RCVBUF,
                                  SO_RCVBUFFORCE, RCVBUF)
@@ -150,7 +152,10 @@ class Receiver:
         self.budget = pk.payload_budget(self.mtu)
         self.paths = [None] * num_workers
         # the ACKs' rate grant (ltp.share)
-        self.share = Share(num_workers, busy_windows=busy_windows, owing=owing)
+        self.share = Share(num_workers, busy_windows=busy_windows, owing=owing, fair=fair)
+        # other processes' TCP traffic into this host, which the grant leaves its share
+        self._foreign = ForeignTcp(host) if fair else None
+        self._others_at = None
         # the kernel stamps each datagram with its arrival (SO_TIMESTAMPNS): the share's rate
         # windows use those times, not when the server got round to reading them
         self._stamps = []
@@ -243,6 +248,12 @@ class Receiver:
             self._now = now
             self.counts["packets"] += packets
             self.counts["bytes"] += nbytes
+        if self._foreign is not None and (self._others_at is None
+                                          or now - self._others_at >= OTHERS_PERIOD):
+            self._others_at = now
+            seen = self._foreign.sample(now)
+            if seen is not None:
+                self.share.others(now, *seen)
         if touched:
             grants = self.share.grants(self._now)
             for w in touched:
@@ -287,3 +298,5 @@ class Receiver:
 
     def close(self):
         self.sock.close()
+        if self._foreign is not None:
+            self._foreign.close()

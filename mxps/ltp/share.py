@@ -57,6 +57,9 @@ RANK = 2               # ... the RANK-th highest (a lone burst from a late read 
 ACTIVE = 0.5           # a worker is active if a packet of it came within this many seconds
 #                        (longer than a training step's compute: a round's early pushers do
 #                        not get the whole link just because the others have not started)
+OTHERS_HOLD = 0.5      # seconds a sample of other processes' TCP traffic (``others``) holds
+COMBINED = 0.2         # seconds per capacity sample of the job's and others' bytes together
+HEADROOM = 0.05        # of the capacity, left free while others' TCP traffic is under its share
 IDLE_GAP = 4 * WINDOW  # seconds without a packet after which the link was idle anyway
 TRAIN_SKIP = 0.001     # seconds at the start of a busy time not counted (a burst after idle)
 GAINS = (1.15, 0.85, 1.0, 1.0)   # the grant's gain over an exact share, one WINDOW each, in turn
@@ -81,12 +84,20 @@ class Share:
     """``busy_windows``: with arrival stamps, the capacity over the link's busy time, a sample
     per gain phase (``_arrival``; False: windows over all the time, as before issue #11's
     session 16, for ablations); ``owing``: the grant shared by the workers that still owe an
-    open round (False: by all active workers)."""
+    open round (False: by all active workers); ``fair``: the grant leaves other processes'
+    TCP flows into this host their share (``others``; False: it does not look)."""
 
-    def __init__(self, num_workers, busy_windows=True, owing=True):
+    def __init__(self, num_workers, busy_windows=True, owing=True, fair=True):
         self.n = num_workers
         self.busy_windows = busy_windows
         self.owing = owing
+        self.fair = fair
+        self._x, self._k, self._others_at = 0.0, 0, None
+        self._read_bytes = self._other_bytes = 0.0      # cumulative, for ``others``
+        self._combined = None           # (since, read bytes, others' bytes) of that sample
+        # what ``others`` was told, for the server's report
+        self.others_seen = {"looks": 0, "looks_with_flows": 0, "most_flows": 0,
+                            "most_bytes_per_s": 0.0}
         self._start = None              # the window: reads in (start, read]; None: no window
         #                                 (waiting for a read that drains the socket)
         self._read = None               # the time of the last read (its packets share it)
@@ -122,6 +133,7 @@ class Share:
         whenever the server read them (``now`` still says when the worker was last active),
         and they count only the link's busy time (``_arrival``)."""
         self._last[worker] = now
+        self._read_bytes += nbytes
         if arrival is not None:
             if self.busy_windows:
                 self._arrival(worker, nbytes, arrival, now, end)
@@ -209,6 +221,43 @@ class Share:
             samples.popleft()
         self.capacity = kth_highest([r for _, r in samples])
 
+    def others(self, now, rate, flows):
+        """Other processes' TCP flows into this host received ``rate`` bytes/s over ``flows``
+        flows since the last call (``others.ForeignTcp``).  They share the link LTP measures,
+        and LTP, which takes no loss for congestion, left a CUBIC flow a third of its fair
+        share (docs/bench/LTP_FAIRNESS.md).  So the grant (``grants``) gives the job's
+        workers no more than the rest of the link less a ``HEADROOM`` to grow into, as long
+        as that leaves them less than their per-flow share (``flows`` of them among the
+        active workers), and their share otherwise; and while they are there, every
+        ``COMBINED`` seconds the capacity gets a sample of everything that crossed the link,
+        the job's packets (by read time) and theirs, over the same interval (LTP's own
+        samples alone would fall to its share, and the grant with them, round after round).
+        Their rate is not added to LTP's busy-time samples: over other intervals it counted
+        twice (a simulated 50 MB/s link measured at 62)."""
+        if self._others_at is not None and now > self._others_at:
+            self._other_bytes += rate * (now - self._others_at)
+        self._x, self._k, self._others_at = float(rate), int(flows), now
+        seen = self.others_seen
+        seen["looks"] += 1
+        if flows:
+            seen["looks_with_flows"] += 1
+            seen["most_flows"] = max(seen["most_flows"], int(flows))
+            seen["most_bytes_per_s"] = max(seen["most_bytes_per_s"], float(rate))
+        start = self._combined
+        if flows and start is not None and now - start[0] >= COMBINED:
+            total = (self._read_bytes - start[1]) + (self._other_bytes - start[2])
+            self._add(now + (self._offset or 0.0), total / (now - start[0]))
+            start = None
+        if start is None or not flows:
+            self._combined = (now, self._read_bytes, self._other_bytes)
+
+    def _others(self, now):
+        """(bytes/s, flows) of others' TCP traffic in force at ``now`` (0, 0: none, or not
+        looked at)."""
+        if not self.fair or self._others_at is None or now - self._others_at > OTHERS_HOLD:
+            return 0.0, 0
+        return self._x, self._k
+
     def opened(self, workers):
         """A round opened that each of ``workers`` owes its push to (until ``settled``)."""
         for w in workers:
@@ -249,5 +298,9 @@ class Share:
                 owing += self._owing[w] > 0
         if not active:
             return 0.0, 0.0
-        g = gain(now) * self.capacity
+        capacity = self.capacity
+        x, k = self._others(now)
+        if k:           # others' TCP flows: their share, or what they take and a headroom
+            capacity = max(capacity * active / (active + k), capacity * (1 - HEADROOM) - x)
+        g = gain(now) * capacity
         return g / ((owing if self.owing else 0) or active), g / active

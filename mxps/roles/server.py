@@ -101,7 +101,7 @@ class Server:
             from ..ltp.receiver import Receiver
             self.ltp = Receiver(host, self.num_workers, self.cfg.ltp_mtu,
                                 busy_windows=self.cfg.ltp_busy_windows,
-                                owing=self.cfg.ltp_owing)
+                                owing=self.cfg.ltp_owing, fair=self.cfg.ltp_fair)
             ltp = LtpSettings(self.ltp.budget, self.cfg.ltp_fill, self.cfg.ltp_ratio,
                               self.cfg.ltp_deadline, self.cfg.ltp_grace,
                               loss=lambda: self.ltp.loss,
@@ -290,7 +290,8 @@ class Server:
         report = {"server": self.rank, "stats": dict(self.state.ltp_stats),
                   "receiver": dict(self.ltp.counts), "drops": dict(self.ltp.drops.counts),
                   "loss_estimate": self.ltp.loss, "budget": self.ltp.budget,
-                  "mtu": self.ltp.mtu, "capacity": self.ltp.share.capacity}
+                  "mtu": self.ltp.mtu, "capacity": self.ltp.share.capacity,
+                  "others": dict(self.ltp.share.others_seen)}
         self._report("ltp", report)
         self.ltp.close()
 
