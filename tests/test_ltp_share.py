@@ -280,12 +280,11 @@ def _rounds_loop(s, workers, link, rounds, message, loss=0.0, queue=0.002, gap=0
     return times, dropped / max(1, sent_n)
 
 
-def test_idle_time_between_rounds_does_not_lower_the_capacity():
-    # rounds of 8 x 50 KB at the link's rate with 2 ms between them: windows over all the
-    # time measured 80% of the link
-    s = Share(8)
-    link, t, clock = 50e6, 0.0, 1.7e9
-    for _ in range(300):
+def _idle_rounds(s, link, gap, rounds=300, clock=1.7e9):
+    """Rounds of 8 workers x 35 packets of 1472 bytes at the ``link``'s rate, each worker's END
+    after them, ``gap`` seconds of nothing between rounds; the time at the end."""
+    t = 0.0
+    for _ in range(rounds):
         s.opened(range(8))
         for _ in range(35):
             for w in range(8):
@@ -295,8 +294,16 @@ def test_idle_time_between_rounds_does_not_lower_the_capacity():
             s.on_packet(w, 96, t, True, clock + t, end=True)
             s.settled(w)
             t += 96 / link
-        t += 0.002
-    assert s.capacity == pytest.approx(link, rel=0.02)
+        t += gap
+    return t
+
+
+def test_idle_time_between_rounds_does_not_lower_the_capacity():
+    # rounds of 8 x 50 KB at the link's rate with 2 ms between them: windows over all the
+    # time measured 80% of the link
+    s = Share(8)
+    _idle_rounds(s, 50e6, 0.002)
+    assert s.capacity == pytest.approx(50e6, rel=0.02)
 
 
 def test_a_burst_after_idle_does_not_count_above_the_link():
@@ -338,22 +345,8 @@ def test_the_workers_that_still_owe_a_round_share_the_link_and_a_new_push_starts
 
 
 def test_the_ablations_measure_over_all_the_time_and_share_among_all_active_workers():
-    def rounds(s):
-        link, t, clock = 50e6, 0.0, 1.7e9
-        for _ in range(300):
-            s.opened(range(8))
-            for _ in range(35):
-                for w in range(8):
-                    s.on_packet(w, 1472, t, True, clock + t)
-                    t += 1472 / link
-            for w in range(8):
-                s.on_packet(w, 96, t, True, clock + t, end=True)
-                s.settled(w)
-                t += 96 / link
-            t += 0.004
-        return t
     old = Share(8, busy_windows=False, owing=False)
-    end = rounds(old)
+    end = _idle_rounds(old, 50e6, 0.004)
     assert old.capacity < 0.95 * 50e6              # the idle time between rounds counted
     old.opened(range(8))
     for w in range(6):
