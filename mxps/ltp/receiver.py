@@ -20,9 +20,9 @@ packet numbers: a block of BLOCK numbers is settled once numbers two blocks late
 that reaches the server after a higher number of its path, by the kernel's arrival stamps,
 was reordered by the network; when that last happened (``reordered_at``) decides whether a
 round waits a grace after its last END (``close.grace_for``).  Packets whose stamps are in
-order but which the socket delivered out of order were reordered inside this host (a veth
-queues a packet on the backlog of the CPU that sent it: measured, a few in 100 K packets,
-stamped 60 us before the higher number it followed); they are counted apart
+order but which the socket delivered out of order were reordered inside this host (measured:
+a few in 100 K packets, one stamped 60 us before the higher number it followed; a veth queues
+a packet on the backlog of the CPU that sends it, the likely cause); they are counted apart
 (``out_of_order_in_host``) and do not turn the grace on: a packet held that way behind an
 END is at worst one late packet.
 """

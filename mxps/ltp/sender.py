@@ -64,7 +64,7 @@ END_LOSS_TARGET = 1e-3
 MAX_END_COPIES = 4
 LOSS_WINDOW_PACKETS = 256
 ACK_BATCH = 64             # ACK datagrams per read
-ACK_SLOT = 4096            # an ACK: a 12-byte head, pk.MAX_ACK_RANGES ranges of 8, the tag: 1052
+ACK_SLOT = 4096            # an ACK: a 16-byte head, pk.MAX_ACK_RANGES ranges of 8, the tag: 1056
 IP_MTU = getattr(socket, "IP_MTU", 14)
 
 

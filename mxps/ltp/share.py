@@ -25,7 +25,10 @@ high rank is a lower bound of the link that only a real window raises; not the v
 (``RANK`` > 1), so that one odd window is ignored.  A time horizon, not a count of windows, so
 that the windows of a slow stretch (a backward pass) do not push out the full ones of the last
 push phase.  The windows run on the kernel's arrival time of each packet (SO_TIMESTAMPNS, read
-with the batch: session 11), so when the server got round to reading a packet does not matter.
+with the batch: session 11), so when the server got round to reading a packet does not matter;
+since session 16 a window is a gain phase's bytes over the link's busy time in it (``_arrival``:
+the idle spells between a job's rounds are not a slower link, and a window across phases
+averaged the probe away).
 Without stamps (a socket that refuses the option) they run on read times: the server reads its
 socket in batches, a window runs from one read to a later one and counts the bytes of the reads
 after its start (they arrived within it), and it starts only at a read that drained the socket;
@@ -140,6 +143,7 @@ class Share:
                 return
             now, drained = arrival, True        # each packet its own read at its arrival
             if self._read is not None and now < self._read:
+                # a clock step back (the realtime clock was set): start over from here
                 self._read, self._start, self._bytes = now, now, 0
                 return
         if self._read is None:
@@ -285,9 +289,9 @@ class Share:
         eighth of the link (measured, the push alone, 8 x 50 KB at 10% loss: the last worker
         started 2.4 ms after the first and its last packet came 10-11 ms into an 8.6 ms round,
         docs/bench/RESULTS.md).  A round's workers all owe it from its first packet on, those
-        not yet heard too, so its start is shared by all (the grants of 2026-12's reverted
-        change, a worker active only while it sent, gave the first pusher the link and
-        overran the queue when the others came)."""
+        not yet heard too, so its start is shared by all (session 12's reverted change, a
+        worker active only while it sent, gave the first pusher the link and overran the
+        queue when the others came)."""
         if self.capacity is None:
             return 0.0, 0.0
         active = owing = 0
