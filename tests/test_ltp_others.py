@@ -17,15 +17,18 @@ srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
 c = socket.create_connection(srv.getsockname()); a, _ = srv.accept()
 c.setblocking(False)
 print(a.getsockname()[1], flush=True)
-end = time.monotonic() + float(sys.argv[1]); chunk = b"x" * 65536
+end = time.monotonic() + float(sys.argv[1]); chunk = b"x" * int(sys.argv[2])
+pause = float(sys.argv[3])
 while time.monotonic() < end:
     try: c.send(chunk)
     except BlockingIOError: pass
     try:
         while a.recv(1 << 20, socket.MSG_DONTWAIT): pass
     except BlockingIOError: pass
-    time.sleep(0.002)
+    time.sleep(pause)
 """
+BULK = ["3", "65536", "0.002"]          # ~30 MB/s: 64 KB every 2 ms
+TRICKLE = ["3", "200", "0.05"]          # 4 KB/s: a heartbeat's traffic
 
 
 def _msg(kind, body):
@@ -71,7 +74,7 @@ def test_another_processes_tcp_flow_is_counted_and_this_ones_is_not():
     mine.listen(1)
     own = socket.create_connection(mine.getsockname())
     peer, _ = mine.accept()
-    p = subprocess.Popen([sys.executable, "-c", SINK, "3"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", SINK] + BULK, stdout=subprocess.PIPE, text=True)
     try:
         p.stdout.readline()                                 # its flow is up
         assert f.sample(time.monotonic()) is None           # the first look: a baseline
@@ -90,3 +93,48 @@ def test_another_processes_tcp_flow_is_counted_and_this_ones_is_not():
         for s in (own, peer, mine):
             s.close()
         f.close()
+
+
+def test_a_trickle_of_another_process_is_no_flow():
+    # a co-located scheduler's heartbeats: counted as a flow, they would take the grant's
+    # headroom off the job for as long as the job runs
+    f = ForeignTcp("127.0.0.1", loopback=True)
+    p = subprocess.Popen([sys.executable, "-c", SINK] + TRICKLE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        p.stdout.readline()
+        assert f.sample(time.monotonic()) is None
+        rates = []
+        for _ in range(5):
+            time.sleep(0.2)
+            rates.append(f.sample(time.monotonic()))
+        assert all(r is not None and r[1] == 0 for r in rates), rates
+        assert sum(r[0] for r in rates) > 0, rates          # its bytes were seen
+        assert all(r[0] < others.MIN_FLOW_RATE for r in rates), rates
+    finally:
+        p.kill()
+        p.wait()
+        f.close()
+
+
+def test_a_socket_that_once_moved_bulk_stays_a_flow_and_a_trickle_never_is_one():
+    f = ForeignTcp("127.0.0.1", loopback=True)
+    f.close()                                    # no kernel: the counts are given below
+    f._sock = object()                           # sample() only asks whether there is one
+    counts = {}
+    f._dumped = 0.0
+    f._lookup = lambda: dict(counts)
+    bulk, trickle = 11, 12
+    got = []
+    for t, b, tr in ((0.05, 0, 0), (0.10, 200000, 100), (0.15, 200000, 200),
+                     (0.20, 201000, 300), (0.25, 201000, 300)):
+        counts = {bulk: b, trickle: tr}
+        got.append(f.sample(t))
+    f._sock = None
+    assert got[0] is None                        # the baseline
+    assert got[1][1] == 1                        # 4 MB/s over 50 ms: a flow
+    assert got[2][1] == 0                        # it received nothing: not a flow now
+    assert got[3][1] == 1                        # 20 KB/s, but it was bulk once: still a flow
+    assert got[4] == (0.0, 0)                    # nobody received anything
+    # the trickle (2 KB/s, every sample) is never a flow, though its bytes are in the rate
+    assert got[2][0] == pytest.approx(100 / 0.05)

@@ -13,7 +13,7 @@ established TCP socket with its inode, its local address and a ``struct tcp_info
 pushes), and they do not count.
 
 ``ForeignTcp(host).sample(now)`` returns the payload rate (bytes/s) and the number of flows
-that received anything since the last sample, over the established TCP sockets of other
+that received anything since the last sample and once received ``MIN_FLOW_RATE``, over the established TCP sockets of other
 processes whose local address is ``host``.  A dump of every socket walks the kernel's whole
 TCP hash table (measured: 2.7 ms of CPU on this 24 GiB machine with no socket in the
 namespace, and the table grows with the memory), so the sockets are found by a dump every
@@ -39,6 +39,13 @@ _MSG = struct.Struct("=BBBB2s2s16s16sI8sIIIII")    # struct inet_diag_msg (72 by
 _RTA = struct.Struct("=HH")                        # struct rtattr
 BYTES_RECEIVED = 128       # offsetof(struct tcp_info, tcpi_bytes_received), Linux >= 4.1
 DISCOVER = 2.0             # seconds between dumps (new sockets are found this late)
+#: bytes/s a socket must once move over a sample to be a flow competing for the link (1 Mbit/s:
+#: a bulk TCP flow's first window, 10 segments in a 50 ms sample, passes it).  A socket that
+#: never did is a trickle (a co-located scheduler's heartbeats and control, an idle ssh
+#: session), which as a flow would take the grant's headroom (``share.HEADROOM``) off the job
+#: for as long as it lasts; a socket that did stays a flow while it receives anything, so a
+#: flow that LTP pushed into retransmission timeouts keeps its share.
+MIN_FLOW_RATE = 128 * 1024
 _ID = slice(4, 52)         # struct inet_diag_sockid inside struct inet_diag_msg
 _U64 = struct.Struct("=Q")
 
@@ -120,6 +127,7 @@ class ForeignTcp:
         self._mine = set()
         self._ids = {}             # foreign inode -> its sockid, from the last dump
         self._last = {}            # foreign inode -> bytes received at the last sample
+        self._bulk = set()         # foreign inodes that once moved MIN_FLOW_RATE: flows
         self._at = None
         self._dumped = None        # when the last dump was
         if not loopback and (host.startswith("127.") or host in ("0.0.0.0", "localhost")):
@@ -184,8 +192,11 @@ class ForeignTcp:
         self._last, self._at = current, now
         if at is None or now <= at:
             return None
-        deltas = [b - before[i] for i, b in current.items() if i in before and b > before[i]]
-        return sum(deltas) / (now - at), len(deltas)
+        dt = now - at
+        deltas = {i: b - before[i] for i, b in current.items() if i in before and b > before[i]}
+        self._bulk = {i for i in self._bulk if i in current} | {
+            i for i, d in deltas.items() if d / dt >= MIN_FLOW_RATE}
+        return sum(deltas.values()) / dt, sum(1 for i in deltas if i in self._bulk)
 
     def close(self):
         if self._sock is not None:
