@@ -7,16 +7,40 @@ ps-lite node and never returns (mxnet/kvstore/kvstore_server.py).  So mxps takes
 exits with its status.  The server needs MXNet for the optimizer; it imports it with DMLC_ROLE
 reading "worker" so that MXNet does not start its own server.
 """
+import contextlib
 import logging
 import sys
 
 from .. import config
 
+#: Modules a server's ``import mxnet`` leaves out.  mxnet/model.py imports scikit-learn, when it
+#: is installed, only to give the deprecated ``FeedForward`` a base class (``BaseEstimator``, or
+#: ``object`` on ImportError); that pulls in scipy and pandas, 0.7 s of a server's 2.5 s import
+#: of mxnet on this project's 2-core machine.  A server process runs mxps's server and exits: no
+#: user code runs in it after ``import mxps``, and mxps's server never touches ``FeedForward``.
+SERVER_SKIPS = ("sklearn",)
+
+
+@contextlib.contextmanager
+def imports_refused(names):
+    """Within the block ``import NAME`` raises ImportError for each of ``names`` that is not
+    imported yet (``sys.modules[NAME] = None``, Python's own way); the refusal is lifted on
+    exit, so a later import works.  Modules already imported stay as they are."""
+    refused = [n for n in names if n not in sys.modules]
+    for n in refused:
+        sys.modules[n] = None
+    try:
+        yield refused
+    finally:
+        for n in refused:
+            if n in sys.modules and sys.modules[n] is None:
+                del sys.modules[n]
+
 
 def _import_mxnet_quietly():
     if "mxnet" in sys.modules:
         return sys.modules["mxnet"]
-    with config.role_hidden():
+    with config.role_hidden(), imports_refused(SERVER_SKIPS):
         import mxnet
     return mxnet
 
