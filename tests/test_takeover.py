@@ -55,12 +55,15 @@ def test_a_servers_mxnet_import_leaves_scikit_learn_out_and_importable():
     assert "importable after: BaseEstimator" in p.stdout, p.stdout
 
 
-def test_the_test_jobs_digits_read_without_scikit_learn_are_load_digits():
+def test_the_test_jobs_digits_read_without_scikit_learn_are_load_digits(tmp_path, monkeypatch):
     # tests/jobs/train_job.py refuses scikit-learn's import (mxnet.model's optional one, 0.7 s
     # a process) and reads the digits from its package: they must be load_digits' own
     from sklearn.datasets import load_digits    # imported first: the job's refusal is a no-op
     import numpy as np
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "train_job.py")
+    for name in [k for k in os.environ if k.startswith("JOB_")]:
+        monkeypatch.delenv(name)                  # its defaults (the mlp on dist_sync)
+    monkeypatch.setenv("JOB_OUT", str(tmp_path))  # its one required setting, checked on import
     spec = importlib.util.spec_from_file_location("train_job_probe", path)
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
