@@ -56,7 +56,7 @@ def test_a_servers_mxnet_import_leaves_scikit_learn_out_and_importable():
 
 
 def test_the_test_jobs_digits_read_without_scikit_learn_are_load_digits(tmp_path, monkeypatch):
-    # tests/jobs/train_job.py refuses scikit-learn's import (mxnet.model's optional one, 0.7 s
+    # tests/jobs/train_job.py refuses scikit-learn's import (mxnet.model's optional one, 0.4 s
     # a process) and reads the digits from its package: they must be load_digits' own
     from sklearn.datasets import load_digits    # imported first: the job's refusal is a no-op
     import numpy as np

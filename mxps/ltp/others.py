@@ -13,8 +13,8 @@ established TCP socket with its inode, its local address and a ``struct tcp_info
 pushes), and they do not count.
 
 ``ForeignTcp(host).sample(now)`` returns the payload rate (bytes/s) and the number of flows
-that received anything since the last sample and once received ``MIN_FLOW_RATE``, over the established TCP sockets of other
-processes whose local address is ``host``.  A dump of every socket walks the kernel's whole
+(sockets that received anything since the last sample and once received ``MIN_FLOW_RATE``),
+over the established TCP sockets of other processes whose local address is ``host``.  A dump of every socket walks the kernel's whole
 TCP hash table (measured: 2.7 ms of CPU on this 24 GiB machine with no socket in the
 namespace, and the table grows with the memory), so the sockets are found by a dump every
 ``DISCOVER`` seconds and sampled in between by one exact request each (a hash lookup by

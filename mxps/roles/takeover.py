@@ -15,8 +15,9 @@ from .. import config
 
 #: Modules a server's ``import mxnet`` leaves out.  mxnet/model.py imports scikit-learn, when it
 #: is installed, only to give the deprecated ``FeedForward`` a base class (``BaseEstimator``, or
-#: ``object`` on ImportError); that pulls in scipy and pandas, 0.7 s of a server's 2.5 s import
-#: of mxnet on this project's 2-core machine.  A server process runs mxps's server and exits: no
+#: ``object`` on ImportError); that pulls in scipy and pandas: 0.4 s of CPU of a server's
+#: 2.2 s import of mxnet on this project's 2-core machine (``/usr/bin/time``; 0.7 s under
+#: ``python -X importtime``).  A server process runs mxps's server and exits: no
 #: user code runs in it after ``import mxps``, and mxps's server never touches ``FeedForward``.
 SERVER_SKIPS = ("sklearn",)
 

@@ -58,8 +58,8 @@ import time
 # The digits are read from scikit-learn's package without importing it (load_data, as
 # load_digits reads them), and the import is refused before mxnet's: mxnet/model.py imports
 # scikit-learn when it is installed only for the deprecated FeedForward's base class (object
-# when it is absent), and with scipy and pandas that is 0.7 s of each of a job's processes
-# (scheduler, servers and workers alike) on a 2-core machine.
+# when it is absent), and with scipy and pandas that is 0.4 s of CPU in each of a job's
+# processes (scheduler, servers and workers alike) on a 2-core machine.
 SKLEARN = importlib.util.find_spec("sklearn")
 sys.modules.setdefault("sklearn", None)
 
