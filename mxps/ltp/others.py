@@ -14,13 +14,14 @@ pushes), and they do not count.
 
 ``ForeignTcp(host).sample(now)`` returns the payload rate (bytes/s) and the number of flows
 (sockets that received anything since the last sample and once received ``MIN_FLOW_RATE``),
-over the established TCP sockets of other processes whose local address is ``host``.  A dump of every socket walks the kernel's whole
-TCP hash table (measured: 2.7 ms of CPU on this 24 GiB machine with no socket in the
-namespace, and the table grows with the memory), so the sockets are found by a dump every
-``DISCOVER`` seconds and sampled in between by one exact request each (a hash lookup by
-address, port and cookie).  None when it cannot say: a loopback ``host``
-(everything on it is this machine's own traffic, no link to share; ``loopback=True``, for
-tests, counts it anyway), a kernel without sock_diag, the first sample.  Pure parsing (``parse_dump``) is separate from the socket.
+over the established TCP sockets of other processes whose local address is ``host``.  A dump
+of every socket walks the kernel's whole TCP hash table (measured: 2.7 ms of CPU on this
+24 GiB machine with no socket in the namespace, and the table grows with the memory), so the
+sockets are found by a dump every ``DISCOVER`` seconds and sampled in between by one exact
+request each (a hash lookup by address, port and cookie).  None when it cannot say: a
+loopback ``host`` (everything on it is this machine's own traffic, no link to share;
+``loopback=True``, for tests, counts it anyway), a kernel without sock_diag, the first
+sample.  Pure parsing (``parse_dump``) is separate from the socket.
 """
 import os
 import socket
