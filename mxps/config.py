@@ -22,7 +22,7 @@ FILLS = ("rescale", "zero")
 # where a node can be made to pause for the failure matrix (MXPS_FAULT_POINT, test-only):
 # before its REGISTER, after it before the WELCOME, inside a migration (a server that received
 # a MIGRATE part), inside GET_STATES handling (a server asked for its optimizer states)
-FAULT_POINTS = ("register", "welcome", "migrate", "get_states")
+FAULT_POINTS = ("register", "welcome", "migrate", "get_states", "shutdown")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -343,7 +343,7 @@ def _entry_points(marker):
                            "mode": "sync"}).encode()
     sched = [(MsgType.REGISTER, register), (MsgType.BARRIER, None), (MsgType.HEARTBEAT, None),
              (MsgType.BANDWIDTH, b'{"seconds": [1], "bytes": [1]}'),
-             (MsgType.REPLAN, b'{"round": 1}'), (MsgType.FINISH, None),
+             (MsgType.REPLAN, b'{"round": 1}'), (MsgType.FINISH, None), (MsgType.BYE, None),
              (MsgType.ABORT, b"a rogue says the job is over")]
     server = [(MsgType.INIT, ones, dict(dtype=f32, length=4)),
               (MsgType.PUSH, ones, dict(dtype=f32, length=4, iteration=1)),

@@ -221,6 +221,26 @@ def _disagree():
     return _scenario_job("disagree", 2, 1, env, body)
 
 
+def _lost_shutdown():
+    """The server drops the scheduler's first SHUTDOWN, as if the network had lost it
+    (MXPS_FAULT_POINT=shutdown); the job must still end cleanly."""
+    marker_dir = tempfile.mkdtemp(prefix="mxps-fault-shutdown-")
+    _JOB_DIRS.append(marker_dir)
+
+    def body(job):
+        job.wait_all_exit(START_TIMEOUT + 60)
+        marker = os.path.join(marker_dir, "shutdown")
+        if not os.path.exists(marker):
+            return job, None
+        with open(marker) as f:
+            return job, json.load(f)
+
+    env = {"FAULT_MODE": "train", "FAULT_STEPS": "5", "MXPS_HEARTBEAT_INTERVAL": "",
+           "MXPS_HEARTBEAT_TIMEOUT": "", "MXPS_TIMEOUT": ""}
+    return _scenario_job("lost-shutdown", 2, 1, env, body, role_env={
+        "server": {"MXPS_FAULT_POINT": "shutdown", "MXPS_FAULT_DIR": marker_dir}})
+
+
 CONFIG_CASES = [
     {"name": "num_worker_abc", "env": {"DMLC_NUM_WORKER": "abc"}},
     {"name": "no_root_uri", "env": {"DMLC_PS_ROOT_URI": None}},
@@ -254,6 +274,7 @@ SCENARIOS = {
     "raises": _raises,
     "bad_input": _bad_input,
     "disagree": _disagree,
+    "lost_shutdown": _lost_shutdown,
     "config": _config,
 }
 SCENARIOS.update({"matrix:" + c: (lambda c=c: matrix.run_trial(matrix.Cell.parse(c)))
@@ -367,6 +388,20 @@ def test_node_killed_or_frozen_at_a_phase_ends_every_survivor_with_code_3_naming
     assert not trial.setup_failed, "the phase was never reached: " + trial.detail
     assert not trial.hang, "a survivor hangs: " + trial.detail
     assert trial.ok, trial.detail
+
+
+@uses("lost_shutdown")
+def test_a_lost_shutdown_is_sent_again_and_every_node_exits_0(scenarios):
+    job, marker = _result(scenarios, "lost_shutdown")
+    detail = job.describe()
+    assert marker is not None and marker["role"] == "server", \
+        "the server never dropped a SHUTDOWN: the test missed its point\n" + detail
+    server = job.node("s0")
+    assert "dropped the scheduler's SHUTDOWN" in server.stderr, detail
+    for n in job.nodes:
+        assert n.exited_at is not None and not n.killed, "%s hangs\n%s" % (n.name, detail)
+        assert n.returncode == 0, "%s exited with %s\n%s" % (n.name, n.returncode, detail)
+        assert "lost the scheduler" not in n.stderr, detail
 
 
 # --------------------------------------------------------------------------------------------

@@ -690,8 +690,8 @@ def test_after_the_fuzzing_the_scheduler_still_ends_the_job_cleanly(live_schedul
     assert sched.state.malformed + sched.state.strangers + sched.drops.total() > 0
     for name in ("w0", "w1"):
         tcp.send(nodes[name], Header(MsgType.FINISH))
-    codes = _serve_scheduler(sched, lambda: False, "the end of the job")
-    assert codes == [0] and sched.state.exit.reason == "all workers finished"
+    assert _serve_scheduler(sched, lambda: sched.state.leaving is not None,
+                            "the SHUTDOWN") == []
     for name in ("s0", "s1", "w0", "w1"):
         types = []
         while nodes[name].poll(1000 if not types else 0):
@@ -702,6 +702,9 @@ def test_after_the_fuzzing_the_scheduler_still_ends_the_job_cleanly(live_schedul
             if types and types[-1] == MsgType.SHUTDOWN:
                 break
         assert MsgType.SHUTDOWN in types, (name, types)
+        tcp.send(nodes[name], Header(MsgType.BYE))
+    codes = _serve_scheduler(sched, lambda: False, "the end of the job")
+    assert codes == [0] and sched.state.exit.reason == "all workers finished"
 
 
 @pytest.fixture(scope="module")
@@ -865,9 +868,12 @@ def test_scheduler_state_survives_any_message_of_a_node_or_stranger_and_ends_cle
     assert state.on_message(b"w0", Header(MsgType.HEARTBEAT), None, now).sends[0].ident == b"w0"
     state.on_message(b"w0", Header(MsgType.FINISH), None, now)
     step = state.on_message(b"w1", Header(MsgType.FINISH), None, now)
-    assert step.exit is not None and step.exit.code == 0, step.exit
     assert sorted(s.ident for s in step.sends if s.header.type == MsgType.SHUTDOWN) == \
         [b"s0", b"s1", b"w0", b"w1"]
+    for ident in (b"s0", b"s1", b"w0"):
+        assert state.on_message(ident, Header(MsgType.BYE), None, now).exit is None
+    step = state.on_message(b"w1", Header(MsgType.BYE), None, now)
+    assert step.exit is not None and step.exit.code == 0, step.exit
 
 
 def test_scheduler_state_refuses_messages_a_role_does_not_send_and_a_second_barrier():

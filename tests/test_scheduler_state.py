@@ -8,6 +8,7 @@ loopback with zmq sockets playing the nodes, for the MXPS_JOB_INFO file it write
 """
 import dataclasses
 import json
+import logging
 import os
 import socket
 import threading
@@ -253,14 +254,61 @@ def test_an_abort_from_a_node_is_relayed_to_every_node_naming_it():
     assert sent(step, MsgType.ABORT) == {i: [want] for i in EVERYONE}
 
 
-def test_finish_from_every_worker_shuts_every_node_down_with_exit_code_0():
+def finished(job):
+    """Every worker's FINISH: the step of the last one."""
+    job.send(b"w0", MsgType.FINISH)
+    return job.send(b"w1", MsgType.FINISH)
+
+
+def test_finish_from_every_worker_shuts_every_node_down_with_exit_code_0_after_every_bye():
     job = started()
     step = job.send(b"w0", MsgType.FINISH)
     assert step.exit is None and not step.sends
     step = job.send(b"w1", MsgType.FINISH)
-    assert step.exit.code == 0
     assert sent(step, MsgType.SHUTDOWN) == {i: [None] for i in EVERYONE}
+    # the scheduler stays until every node has its SHUTDOWN (its socket alive meanwhile)
+    assert step.exit is None
+    for ident in EVERYONE[:-1]:
+        assert job.send(ident, MsgType.BYE, after=0.01).exit is None
+    assert job.send(EVERYONE[-1], MsgType.BYE).exit.code == 0
     assert job.tick(60.0).exit is None and not job.tick(0).sends
+
+
+def test_the_last_bye_ends_the_job_with_its_facts():
+    job = started()
+    finished(job)
+    for ident in (b"w1", b"s0", b"w0"):
+        assert job.send(ident, MsgType.BYE).exit is None
+    assert job.send(b"w0", MsgType.BYE).exit is None, "a second BYE of one node counted twice"
+    step = job.send(b"s1", MsgType.BYE)
+    assert step.exit == (0, "all workers finished")
+    assert step.facts["exit"] == {"code": 0, "reason": "all workers finished"}
+
+
+def test_a_node_heartbeating_after_the_shutdown_gets_the_shutdown_again():
+    job = started()
+    finished(job)
+    job.send(b"w0", MsgType.BYE)
+    # s1's SHUTDOWN did not arrive (a zmq reconnection loses what was in flight): its heartbeat
+    # is answered with the SHUTDOWN, not the echo
+    step = job.send(b"s1", MsgType.HEARTBEAT, after=1.0)
+    assert [(s.ident, s.header.type) for s in step.sends] == [(b"s1", MsgType.SHUTDOWN)]
+    # one that said BYE gets nothing more, whatever it sends
+    assert not job.send(b"w0", MsgType.HEARTBEAT).sends
+    assert not job.send(b"stranger", MsgType.HEARTBEAT).sends
+
+
+def test_nodes_silent_after_the_shutdown_end_the_job_at_the_heartbeat_timeout(caplog):
+    job = started()             # MXPS_HEARTBEAT_TIMEOUT 10 s
+    finished(job)
+    job.send(b"w0", MsgType.BYE)
+    job.send(b"w1", MsgType.BYE)
+    assert job.tick(9.9).exit is None
+    with caplog.at_level(logging.WARNING, logger="mxps.scheduler"):
+        step = job.tick(0.1)
+    assert step.exit == (0, "all workers finished")
+    assert "no BYE from server 0 (127.0.0.1:9100, pid 100), server 1 (127.0.0.1:9101, pid " \
+        "101) within 10.0 s of the SHUTDOWN" in caplog.text
 
 
 # -- bandwidth agreement ---------------------------------------------------------------------
@@ -478,8 +526,10 @@ def test_the_facts_name_every_node_by_rank_after_the_rendezvous_and_the_points_a
     job.send(b"w1", MsgType.REPLAN, report(3, force=2, lead=True))
     job.send(b"s0", MsgType.PLAN, {"version": 1})
     job.send(b"s1", MsgType.PLAN, {"version": 1}, after=0.5)
-    job.send(b"w0", MsgType.FINISH)
-    step = job.send(b"w1", MsgType.FINISH)
+    finished(job)
+    for ident in (b"s0", b"s1", b"w0"):
+        job.send(ident, MsgType.BYE)
+    step = job.send(b"w1", MsgType.BYE)
     moved = adaptive.moved_bytes(OLD, adaptive.forced_table(KEYS, 2, 1, min_slice=64), 4)
     assert step.facts["replan_points"] == [
         {"round": 2, "kind": "full", "plan_version": 0, "new_plan": False, "full_next": True,
@@ -558,6 +608,10 @@ def test_the_loop_writes_the_job_info_after_the_rendezvous_and_at_the_end(tmp_pa
         transport.send(worker.sock, Header(MsgType.FINISH))
         worker.expect(MsgType.SHUTDOWN)
         server.expect(MsgType.SHUTDOWN)
+        transport.send(worker.sock, Header(MsgType.BYE))
+        thread.join(0.5)
+        assert thread.is_alive(), "the scheduler ended before the server's BYE"
+        transport.send(server.sock, Header(MsgType.BYE))
         thread.join(10)
         assert not thread.is_alive() and result["code"] == 0
         assert json.loads(info.read_text())["exit"] == {"code": 0,
@@ -631,5 +685,6 @@ def test_a_malformed_body_from_a_member_is_dropped_not_fatal(type_, body):
     job.register(b"w0", "worker")
     step = job.state.on_message(b"w0", Header(type_), body, job.now)
     assert step.exit is None and job.state.malformed == 1
-    step = job.send(b"w0", MsgType.FINISH)               # and the job still ends cleanly
-    assert step.exit.code == 0
+    job.send(b"w0", MsgType.FINISH)                      # and the job still ends cleanly
+    job.send(b"s0", MsgType.BYE)
+    assert job.send(b"w0", MsgType.BYE).exit.code == 0

@@ -110,28 +110,35 @@ def _text(payload, default):
         "utf-8", errors="replace")
 
 
-def fault_point(cfg, point, role, rank=-1):
-    """Test-only fault injection (MXPS_FAULT_POINT, docs/SETTINGS.md): at ``point``, announce it
-    and pause, so the failure matrix (scripts/failure_matrix.py) kills or freezes a node at
-    exactly that phase.  The announcement is the file ``<MXPS_FAULT_DIR>/<point>`` (JSON: role,
-    rank, pid), created exclusively: only the first node of the job to reach the point pauses
-    (for MXPS_FAULT_HOLD seconds, without heartbeating, as a frozen node would), the others go
-    on.  A no-op unless the switch names this point."""
+def fault_claimed(cfg, point, role, rank=-1):
+    """Test-only fault injection (MXPS_FAULT_POINT, docs/SETTINGS.md): whether this node is the
+    one the fault at ``point`` hits.  The claim is the file ``<MXPS_FAULT_DIR>/<point>`` (JSON:
+    role, rank, pid), created exclusively: only the first node of the job to reach the point is
+    hit, the others go on.  False unless the switch names this point."""
     if cfg.fault_point != point:
-        return
+        return False
     path = os.path.join(cfg.fault_dir, point)
     try:
         fd = os.open(path + ".tmp%d" % os.getpid(), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
-        return
+        return False
     with os.fdopen(fd, "w") as f:
         json.dump({"role": role, "rank": rank, "pid": os.getpid(), "point": point}, f)
     try:
         os.link(path + ".tmp%d" % os.getpid(), path)    # atomic, fails if another node was first
     except FileExistsError:
-        return
+        return False
     finally:
         os.remove(path + ".tmp%d" % os.getpid())
+    return True
+
+
+def fault_point(cfg, point, role, rank=-1):
+    """At ``point`` (``fault_claimed``), pause for MXPS_FAULT_HOLD seconds without
+    heartbeating, as a frozen node would, so the failure matrix (scripts/failure_matrix.py)
+    kills or freezes a node at exactly that phase."""
+    if not fault_claimed(cfg, point, role, rank):
+        return
     log.warning("%s %s: MXPS_FAULT_POINT=%s: pausing %.1f s", role, rank, point, cfg.fault_hold)
     time.sleep(cfg.fault_hold)     # the injected freeze itself (not a wait for anything)
 
@@ -346,7 +353,14 @@ class SchedulerLink:
             if not self.failing:
                 fatal(self.name, self.abort_message)
         elif header.type == MsgType.SHUTDOWN:
+            if fault_claimed(self.cfg, "shutdown", self.role, self.rank):
+                log.warning("%s: MXPS_FAULT_POINT=shutdown: dropped the scheduler's SHUTDOWN, "
+                            "as if it were lost", self.name)
+                return
             self.shutdown = True
+            # the scheduler ends once every node said BYE (a second SHUTDOWN, sent because a
+            # heartbeat crossed the first, is answered again: the scheduler counts one)
+            self.send(MsgType.BYE)
         elif header.type == MsgType.ACK and header.key == -2:   # barrier release
             self.barrier_done = max(self.barrier_done, header.iteration)
         elif header.type == MsgType.BANDWIDTH:

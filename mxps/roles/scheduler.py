@@ -3,8 +3,8 @@
 Listens on DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT, feeds every message and the passing of time to
 the state machine (which holds the protocol: rendezvous and ranks, barriers, liveness, re-plan
 points, clean shutdown; see its module), and does what it answers: sends its messages, writes
-the job's facts to MXPS_JOB_INFO, and ends with its exit code after a short pause that lets zmq
-put the last messages (an ABORT naming the lost node, or SHUTDOWN) on the wire.
+the job's facts to MXPS_JOB_INFO, and ends with its exit code (after an ABORT naming the lost
+node, a short pause that lets zmq put it on the wire; a clean end waits for every node's BYE).
 
 With a job secret only the job's nodes can connect, so only they can register (refused
 connections are logged with their address by ``mxps.wire.auth``).  Nothing a connection sends
@@ -25,8 +25,10 @@ from .scheduler_state import SchedulerState
 
 log = logging.getLogger("mxps.scheduler")
 
-# seconds to let zmq's I/O thread send the last messages before the process ends
-FLUSH_SECONDS_CLEAN = 0.2
+# seconds to let zmq's I/O thread send the last messages before the process ends (a clean
+# end comes once every node said BYE to its SHUTDOWN, or after MXPS_HEARTBEAT_TIMEOUT: nothing
+# is left to flush then)
+FLUSH_SECONDS_CLEAN = 0.0
 FLUSH_SECONDS_ABORT = 0.5
 
 

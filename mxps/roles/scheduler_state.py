@@ -18,7 +18,12 @@ The protocol:
 - liveness: any message from a node counts as a heartbeat; a node silent for
   MXPS_HEARTBEAT_TIMEOUT, or one reporting its own failure (ABORT), ends the job: every node
   gets an ABORT naming it, exit code EXIT_LOST_PEER.
-- FINISH from every worker: SHUTDOWN to every node, exit code 0.
+- FINISH from every worker: SHUTDOWN to every node, then exit code 0 once every node answered
+  it with BYE, or MXPS_HEARTBEAT_TIMEOUT after the SHUTDOWN (naming the nodes that did not).
+  Until then the scheduler's socket stays open: a SHUTDOWN whose TCP segment was lost is
+  retransmitted by the kernel only while the socket lives (a closed one answers the node's next
+  heartbeat with a reset, and the node, never told, would report the scheduler lost), and a
+  node that heartbeats meanwhile gets the SHUTDOWN again instead of the echo.
 - BANDWIDTH: every worker's probe timings -> one agreed rate per server, sent to every worker.
 - re-plan points (docs/REPLAN.md): every live worker's REPLAN of one round -> the Replanner
   decides -> either the workers are answered at once, or the servers get the PLAN and the
@@ -236,6 +241,8 @@ class SchedulerState:
         self.overlapped = set()    # rounds a move overlapped: not timed (_decide)
         self.points = []           # the job facts' "replan_points"
         self.exit = None
+        self.leaving = None        # after the SHUTDOWN: idents of the nodes yet to say BYE
+        self.leave_deadline = None
         self.malformed = 0         # messages of nodes dropped as malformed (body, or type)
         self.strangers = 0         # messages of connections that are not nodes, ignored
         self._now = now
@@ -249,6 +256,9 @@ class SchedulerState:
         try:
             if self.exit is not None:
                 pass
+            elif self.leaving is not None:
+                if node is not None:
+                    self._on_leaving(node, header)
             elif header.type == MsgType.REGISTER and node is None:
                 self._on_register(ident, _register_info(payload))
             elif node is not None:
@@ -287,6 +297,13 @@ class SchedulerState:
         self._begin(now)
         if self.exit is not None:
             pass
+        elif self.leaving is not None:
+            if now >= self.leave_deadline:
+                log.warning("no BYE from %s within %.1f s of the SHUTDOWN "
+                            "(MXPS_HEARTBEAT_TIMEOUT); ending the job anyway", ", ".join(
+                                sorted(self.nodes[i].describe() for i in self.leaving)),
+                            self.cfg.heartbeat_timeout)
+                self._end_job(0, CLEAN_EXIT_REASON)
         elif self.started_at is None:
             if now >= self.start_deadline:
                 self._abort(self._start_timeout_message())
@@ -482,12 +499,25 @@ class SchedulerState:
             for n in self.nodes.values():
                 self._send(n, MsgType.SHUTDOWN)
                 n.finished = True
-            log.info("all workers finished; job done")
-            self._end_job(0, CLEAN_EXIT_REASON)
+            log.info("all workers finished; job done once every node said BYE")
+            self.leaving = set(self.nodes)
+            self.leave_deadline = self._now + self.cfg.heartbeat_timeout
             return
         # a barrier or re-plan point some finished worker will never join must not wait for it
         self._maybe_release_barrier()
         self._maybe_replan()
+
+    def _on_leaving(self, node, h):
+        """After the SHUTDOWN: a node's BYE; a heartbeat of a node that did not get the
+        SHUTDOWN yet is answered with it again.  Anything else is moot now."""
+        if node.ident not in self.leaving:
+            return
+        if h.type == MsgType.BYE:
+            self.leaving.discard(node.ident)
+            if not self.leaving:
+                self._end_job(0, CLEAN_EXIT_REASON)
+        elif h.type == MsgType.HEARTBEAT:
+            self._send(node, MsgType.SHUTDOWN)
 
     def _check_heartbeats(self, starting=False):
         for n in self.nodes.values():

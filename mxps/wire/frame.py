@@ -54,6 +54,8 @@ class MsgType(enum.IntEnum):
     FINISH = 5          # worker -> scheduler: done, ready to shut down
     SHUTDOWN = 6        # scheduler -> node: exit cleanly
     ABORT = 7           # scheduler -> node, or node -> scheduler: exit with the error payload
+    BYE = 8             # node -> scheduler: got the SHUTDOWN, leaving (the scheduler ends
+                        # once every node said it, so no SHUTDOWN is lost with its socket)
     # data plane (worker <-> server)
     INIT = 10           # rank 0 -> server: initial value of a slice; `iteration` carries the
                         # key's row width (elements per index of its first axis; 0: unknown)
