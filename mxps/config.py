@@ -21,7 +21,8 @@ PUSHES = ("tcp", "ltp")
 FILLS = ("rescale", "zero")
 # where a node can be made to pause for the failure matrix (MXPS_FAULT_POINT, test-only):
 # before its REGISTER, after it before the WELCOME, inside a migration (a server that received
-# a MIGRATE part), inside GET_STATES handling (a server asked for its optimizer states)
+# a MIGRATE part), inside GET_STATES handling (a server asked for its optimizer states); or
+# where it drops a message instead: the scheduler's first SHUTDOWN, as if it were lost
 FAULT_POINTS = ("register", "welcome", "migrate", "get_states", "shutdown")
 
 
