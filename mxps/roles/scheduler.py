@@ -25,10 +25,9 @@ from .scheduler_state import SchedulerState
 
 log = logging.getLogger("mxps.scheduler")
 
-# seconds to let zmq's I/O thread send the last messages before the process ends (a clean
-# end comes once every node said BYE to its SHUTDOWN, or after MXPS_HEARTBEAT_TIMEOUT: nothing
-# is left to flush then)
-FLUSH_SECONDS_CLEAN = 0.0
+# seconds to let zmq's I/O thread put an ABORT on the wire before the process ends (a clean
+# end needs none: it comes once every node said BYE to its SHUTDOWN, or after
+# MXPS_HEARTBEAT_TIMEOUT)
 FLUSH_SECONDS_ABORT = 0.5
 
 
@@ -82,7 +81,8 @@ class Scheduler:
                 pass    # that node is gone; the heartbeat check reports it
         if step.exit is None:
             return None
-        time.sleep(FLUSH_SECONDS_CLEAN if step.exit.code == 0 else FLUSH_SECONDS_ABORT)
+        if step.exit.code != 0:
+            time.sleep(FLUSH_SECONDS_ABORT)
         return step.exit.code
 
     def _serve(self):
