@@ -460,10 +460,40 @@ def follow_changes(steps, changes, tolerance=FOLLOW_TOLERANCE):
 
 # --------------------------------------------------------------------------- what users feel
 
-def ltp_stats(metrics, num_servers) -> Optional[dict]:
+def _worker_ltp(metrics, num_workers) -> Optional[dict]:
+    """The workers' LTP reports of one run (``<metrics>.worker<r>.ltp.json``): the datagrams
+    they sent and the ACKs they read, summed, and what their I/O threads cost: loop turns and
+    CPU seconds per worker (mean, max), data packets per turn.  None without reports."""
+    reports = []
+    for r in range(num_workers):
+        path = "%s.worker%d.ltp.json" % (metrics.replace("{rank}", "x"), r)
+        try:
+            with open(path) as f:
+                reports.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    if not reports:
+        return None
+    counts = {}
+    for rep in reports:
+        for k, v in rep.get("counts", {}).items():
+            counts[k] = counts.get(k, 0) + v
+    io = [rep.get("io", {}) for rep in reports]
+    turns = [x.get("turns", 0) for x in io]
+    cpu = [x.get("cpu_s", 0.0) for x in io]
+    wall = [x.get("wall_s", 0.0) for x in io]
+    return {"workers": len(reports), "counts": counts,
+            "io_turns_mean": _mean(turns), "io_timeouts": sum(x.get("timeouts", 0) for x in io),
+            "io_cpu_s_mean": _mean(cpu), "io_cpu_s_max": max(cpu),
+            "io_cpu_share_mean": _mean(c / w for c, w in zip(cpu, wall) if w > 0),
+            "data_per_turn": counts.get("data", 0) / sum(turns) if sum(turns) else None}
+
+
+def ltp_stats(metrics, num_servers, num_workers=0) -> Optional[dict]:
     """The servers' LTP reports of one run (``<metrics>.server<r>.ltp.json``, written at a
     clean shutdown with MXPS_PUSH=ltp), summed: rounds, why they closed, the fraction of the
-    gradient packets delivered in time; None when no server wrote one (TCP runs)."""
+    gradient packets delivered in time; with ``num_workers``, the workers' reports too
+    (``_worker_ltp``, key ``senders``).  None when no server wrote one (TCP runs)."""
     reports = []
     for r in range(num_servers):
         path = "%s.server%d.ltp.json" % (metrics.replace("{rank}", "x"), r)
@@ -484,7 +514,8 @@ def ltp_stats(metrics, num_servers) -> Optional[dict]:
             "delivered": total.get("packets_received", 0) / expected if expected else None,
             "late": total.get("drop_late", 0), "stats": total,
             "loss_estimate": [x for rep in reports for x in rep.get("loss_estimate", [])],
-            "budget": reports[0].get("budget")}
+            "budget": reports[0].get("budget"),
+            "senders": _worker_ltp(metrics, num_workers) if num_workers else None}
 
 
 def step_summary(workers) -> dict:
@@ -576,6 +607,10 @@ def aggregate_runs(records, names) -> List[dict]:
                     closed[k] = closed.get(k, 0) + v
             a["ltp"] = {"delivered": _mean(x["delivered"] for x in ltp), "closed": closed,
                         "rounds": sum(x["rounds"] for x in ltp)}
+            senders = [x["senders"] for x in ltp if x.get("senders")]
+            if senders:
+                a["ltp"]["senders"] = {k: _mean(x[k] for x in senders) for k in (
+                    "io_turns_mean", "io_cpu_s_mean", "io_cpu_share_mean", "data_per_turn")}
         for key in ("speedup", "speedup_vs_native"):
             xs = [r[key] for r in ok if r.get(key) is not None]
             a[key + "_range"] = [min(xs), max(xs)] if xs else None
@@ -1053,7 +1088,7 @@ class Bench:
             self._byte_stats(rec, workers, run, before, after)
         if metrics_files:
             self._follow_stats(rec, res, metrics_files, paths["shares_png"])
-            rec["ltp"] = ltp_stats(paths["metrics"], o.num_servers)
+            rec["ltp"] = ltp_stats(paths["metrics"], o.num_servers, o.num_workers)
         return rec
 
     def server_rates_at(self, rec, t):
@@ -1484,6 +1519,15 @@ def format_table(summary) -> str:
                     a["name"], _fmt("%.1f%%", None if x["delivered"] is None
                                     else 100 * x["delivered"]),
                     ", ".join("%s %d" % kv for kv in sorted(x["closed"].items()))))
+                y = x.get("senders")
+                if y:
+                    lines.append("%s: a worker's I/O thread %s turns, %s CPU s (%s of a core), "
+                                 "%s data packets a turn" % (
+                                     a["name"], _fmt("%.0f", y["io_turns_mean"]),
+                                     _fmt("%.1f", y["io_cpu_s_mean"]),
+                                     _fmt("%.0f%%", None if y["io_cpu_share_mean"] is None
+                                          else 100 * y["io_cpu_share_mean"]),
+                                     _fmt("%.1f", y["data_per_turn"])))
     over = summary.get("over_ranks")
     if over:
         lines.append("")

@@ -196,6 +196,18 @@ def test_ltp_reports_of_the_servers_are_summed_per_run(tmp_path):
     assert x["rounds"] == 8 and x["closed"] == {"ratio": 6, "ends": 2}
     assert x["delivered"] == pytest.approx(380 / 400) and x["late"] == 1
     assert x["loss_estimate"] == [0.0, 0.1] and x["budget"] == 8904
+    assert x["senders"] is None                              # no worker count asked
+    assert bench.ltp_stats(prefix, 2, 3)["senders"] is None  # no worker wrote a report
+    for w, (data, turns, cpu) in enumerate(((90, 30, 1.0), (290, 10, 3.0))):
+        with open("%s.worker%d.ltp.json" % (prefix.replace("{rank}", "x"), w), "w") as f:
+            json.dump({"worker": w, "counts": {"data": data, "acks": w + 1},
+                       "io": {"turns": turns, "timeouts": 2, "cpu_s": cpu, "wall_s": 10.0}}, f)
+    y = bench.ltp_stats(prefix, 2, 3)["senders"]              # worker 2 wrote none
+    assert y["workers"] == 2 and y["counts"] == {"data": 380, "acks": 3}
+    assert y["io_turns_mean"] == 20 and y["io_timeouts"] == 4 and y["io_cpu_s_max"] == 3.0
+    assert y["io_cpu_s_mean"] == pytest.approx(2.0)
+    assert y["io_cpu_share_mean"] == pytest.approx(0.2)
+    assert y["data_per_turn"] == pytest.approx(380 / 40)
 
 
 def test_p99_is_near_the_slowest_step():
@@ -824,3 +836,20 @@ def test_running_without_root_says_root_is_needed(tmp_path, monkeypatch, capsys)
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "mxps bench:" in err and "needs root" in err and "uid 1000" in err
+
+
+def test_report_says_what_the_ltp_senders_io_threads_cost():
+    def ltp(turns, cpu_share, per_turn):
+        return {"delivered": 0.95, "closed": {"ratio": 3}, "rounds": 3,
+                "senders": {"io_turns_mean": turns, "io_cpu_s_mean": 10 * cpu_share,
+                            "io_cpu_share_mean": cpu_share, "data_per_turn": per_turn}}
+    recs = [_rec("native", 1, 2.0), _rec("mxps-ltp", 1, 1.0, ltp=ltp(1000, 0.1, 4.0)),
+            _rec("native", 2, 2.0), _rec("mxps-ltp", 2, 1.0, ltp=ltp(3000, 0.3, 2.0)),
+            _rec("mxps-default", 1, 1.5, ltp=dict(ltp(0, 0, 0), senders=None))]
+    text = bench.format_table(_summary(recs, [{"tag": "v", "scenario": "incast"}],
+                                       ["native", "mxps-default", "mxps-ltp"], repeat=2,
+                                       scenario="incast"))
+    lines = [ln for ln in text.splitlines() if "I/O thread" in ln]
+    # the mean over reps; a run whose workers wrote no report adds no line
+    assert lines == ["mxps-ltp: a worker's I/O thread 2000 turns, 2.0 CPU s (20% of a core), "
+                     "3.0 data packets a turn"], text

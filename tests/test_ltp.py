@@ -1271,6 +1271,23 @@ def test_ltp_without_loss_and_with_ratio_1_trains_exactly_what_tcp_trains(jobs,
         assert stats["rounds"] > 0 and stats["rounds"] == stats["close_complete"], rep
         assert stats["packets_received"] == stats["packets_expected"] > 0, rep
         assert not rep["drops"] and not any(k.startswith("drop_") for k in stats), rep
+    # and the workers' reports say the same from the sending side: every DATA packet they
+    # sent was received (none resent, none refused by a full buffer), ACKs came back, and
+    # each I/O thread counted its turns and its CPU time
+    senders = []
+    for w in (0, 1):
+        with open("%s.worker%d.ltp.json" % (metrics, w)) as f:
+            senders.append(json.load(f))
+    assert [x["worker"] for x in senders] == [0, 1]
+    received = sum(rep["stats"]["packets_received"] for rep in ltp_reports(metrics))
+    assert sum(x["counts"]["data"] for x in senders) == received, senders
+    for x in senders:
+        c, io = x["counts"], x["io"]
+        assert c["acks"] > 0 and c["send_calls"] > 0 and "sndbuf_full" not in c, x
+        assert 0 < io["timeouts"] < io["turns"] and 0 < io["cpu_s"] <= io["wall_s"], x
+        assert sorted(x["paths"]) == ["0", "1"], x
+        for p in x["paths"].values():
+            assert p["delivered_bytes"] > 0 and p["packets"] > 0, x
 
 
 def test_ltp_with_5_percent_of_packets_dropped_finishes_synchronised_and_reports_it(

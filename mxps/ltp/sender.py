@@ -356,6 +356,7 @@ class Sender:
         (``send_error``): either is as good as lost on the wire, and the next one is tried."""
         i = 0
         while i < n:
+            self.counts["send_calls"] += 1
             try:
                 sent = send_from(i)
             except OSError as e:                 # datagram i failed
@@ -397,6 +398,7 @@ class Sender:
         last = path.pn - 1
         pns = [last - ((last - pn) & pk.PN_MASK)
                for first, n in ranges for pn in range(first, first + n)]
+        self.counts["acks"] += 1
         if grant:             # the server's share for this worker (ltp.share)
             path.rate.cap(grant)
         if start:
@@ -421,6 +423,19 @@ class Sender:
                          len(path.queue) + len(path.waiting), m["sent_bytes"],
                          m["delivered_bytes"], m["lost_bytes"]))
         return rows
+
+    def report(self):
+        """What this sender did, for the worker's shutdown report: its counts (``data`` and
+        ``end`` datagrams, ``end_resent``, ``sndbuf_full``, ``send_error``, ``ack_*`` drops, ...)
+        and per path the rate model's totals and last estimates."""
+        paths = {}
+        for server, path in sorted(self.paths.items()):
+            m = path.rate.snapshot()
+            paths[str(server)] = {k: m[k] for k in (
+                "sent_bytes", "delivered_bytes", "lost_bytes", "late_bytes", "ignored_acks",
+                "btl_bw", "min_rtt", "pacing_rate")}
+            paths[str(server)]["packets"] = path.pn
+        return {"counts": dict(self.counts), "paths": paths}
 
     def oldest_end(self):
         """(first END time, server, push) of the push waiting longest for its END's ACK, or

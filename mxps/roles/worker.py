@@ -125,6 +125,7 @@ class Client:
         # socket belongs to the I/O thread, the paths to the servers come from LTP_HELLO
         self.ltp = None
         self._ltp_wake = None
+        self.io_stats = {"turns": 0, "timeouts": 0}
         if cfg.push == "ltp" and cfg.sync:
             from ..ltp.sender import Sender
             self.ltp = Sender(self.rank, host, cfg.ltp_drop, cfg.ltp_seed,
@@ -423,7 +424,12 @@ class Client:
         ltp = self.ltp
         if ltp is not None:
             poller.register(ltp.sock, zmq.POLLIN)
+        # what the thread costs (the LTP report): its turns, those a poll timeout ended with
+        # nothing to read, and its CPU time
+        io = self.io_stats
+        io["cpu_start"], io["wall_start"] = time.thread_time(), time.monotonic()
         while not self._stopped.is_set():
+            io["turns"] += 1
             self._sleeping = True
             timeout = 0 if self._queue else wait_ms
             if self._gate_wake is not None and timeout:
@@ -437,6 +443,8 @@ class Client:
                 timeout = 0 if ahead <= 0 else max(1, min(timeout, int(ahead * 1000) + 1))
             events = control.poll_forever(poller, timeout)
             self._sleeping = False
+            if not events:
+                io["timeouts"] += 1
             if self._wake_r in events:
                 os.read(self._wake_r, 65536)
             for sock, i in index.items():
@@ -510,9 +518,30 @@ class Client:
             if not self._finished or not self.link.shutdown:
                 self.link.tick(now)
             self._check_overdue(now)
+        io["cpu_s"] = time.thread_time() - io.pop("cpu_start")
+        io["wall_s"] = time.monotonic() - io.pop("wall_start")
+        if ltp is not None:
+            self._report_ltp()
         for s in self.servers:
             s.close(linger=500)
         self.link.close()
+
+    def _report_ltp(self):
+        """At the end of the I/O thread with MXPS_PUSH=ltp: what this worker's sender did
+        (``ltp.sender.Sender.report``) and what the thread cost (``io_stats``: loop turns,
+        turns a poll timeout ended with nothing to read, CPU and wall seconds), in the log and,
+        with MXPS_METRICS, in ``<metrics>.worker<rank>.ltp.json`` (as the servers'
+        ``.server<rank>.ltp.json``)."""
+        report = {"worker": self.rank, "io": dict(self.io_stats)}
+        report.update(self.ltp.report())
+        log.info("worker %d: ltp %s", self.rank, json.dumps(report))
+        if self.cfg.metrics:
+            path = "%s.worker%d.ltp.json" % (self.cfg.metrics.replace("{rank}", "x"), self.rank)
+            try:
+                with open(path, "w") as f:
+                    json.dump(report, f)
+            except OSError as e:
+                log.warning("worker %d: cannot write %s: %s", self.rank, path, e)
 
     _REPLY_TYPES = frozenset((MsgType.ACK, MsgType.DATA, MsgType.ERROR))
 
