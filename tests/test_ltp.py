@@ -602,6 +602,41 @@ def test_a_round_closes_by_ratio_as_soon_as_every_worker_reached_it():
     assert s.ltp_stats["drop_late"] == 1
 
 
+def test_no_look_at_the_rule_while_a_workers_part_is_below_the_lowest_ratio(monkeypatch):
+    """A DATA packet can close a round only once every part reached the lowest acceptance
+    ratio: before, the server does not look (the look was 11% of its time at 5% loss)."""
+    s = ltp_server(2, ratio=0.5)
+    looks = []
+    check = s._ltp_check
+    monkeypatch.setattr(s, "_ltp_check", lambda *a: looks.append(a[1]) or check(*a))
+    clock = Clock()
+    p0, _ = push_packets(GRADS2[0], 0, 1)
+    p1, _ = push_packets(GRADS2[1], 1, 1)
+    half = -(-NP // 2)
+    feed(s, [p1[0]] + [p0[q] for q in range(NP)], clock)   # worker 1 at 1 packet: below
+    assert looks == [1, 1]                                   # the two first packets only
+    lt = s.slots[(KEY, 0)].rounds[1].ltp
+    assert lt.below == 1 and lt.need == pytest.approx(0.5 * NP)
+    feed(s, [p1[q] for q in range(1, half - 1)], clock)
+    assert len(looks) == 2 and s.slots[(KEY, 0)].applied == 0
+    feed(s, [p1[half - 1]], clock)                           # the last part reaches it
+    assert len(looks) == 3 and lt.below == 0
+    assert s.slots[(KEY, 0)].applied == 1 and s.ltp_stats["close_ratio"] == 1
+
+
+def test_a_part_pushed_whole_by_tcp_counts_as_past_the_lowest_ratio():
+    rnd = LtpRound(np.zeros(10, np.float32), 2, 3, F32, lowest=0.8)
+    assert (rnd.n, rnd.below) == (5, 3)
+    assert rnd.add_whole(1, np.ones(10, np.float32), 0.0)
+    assert rnd.below == 2
+    for seq in range(4):                                     # 4 of 5: 0.8 reached
+        assert rnd.add(0, seq, 2, np.ones(2, np.float32).tobytes(), 0.0)
+    assert rnd.below == 1
+    assert rnd.add(0, 4, 2, np.ones(2, np.float32).tobytes(), 0.0)
+    assert rnd.below == 1                                    # counted once
+    assert LtpRound(np.zeros(10, np.float32), 2, 3, F32).below == 0   # no lowest: none
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 3), st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]), st.integers(0, 2 ** 31),
        st.floats(0.0, 0.4))

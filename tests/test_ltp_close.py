@@ -274,6 +274,19 @@ def test_after_a_lasting_slowdown_the_deadline_catches_up_in_log_rounds(before, 
     assert reasons[-10:] == [close.COMPLETE] * 10
 
 
+@PROPS
+@given(st.lists(st.tuples(st.sampled_from(close.REASONS), st.none() | st.floats(0.0, 1.0)),
+                max_size=20))
+def test_a_deadline_is_the_rule_of_its_spans_and_backoff_after_any_closes(closes):
+    """``Deadline.value`` is computed when a round closes, not at each look: it must still be
+    exactly ``deadline_for`` of the spans and backoff at every moment."""
+    d = close.Deadline()
+    assert d.value() is None
+    for reason, span in closes:
+        d.closed(reason, span)
+        assert d.value() == close.deadline_for(d.spans, d.d_min, d.margin, d.backoff)
+
+
 def test_a_single_late_round_costs_the_next_ones_nothing_lasting():
     d = close.Deadline()
     for _ in range(8):

@@ -97,17 +97,19 @@ def next_backoff(backoff, reason, cap=64.0):
 class Deadline:
     """One slice's deadline state: its recent spans and backoff factor (see module doc)."""
 
-    __slots__ = ("spans", "backoff", "d_min", "margin")
+    __slots__ = ("spans", "backoff", "d_min", "margin", "_value")
 
     def __init__(self, history=8, d_min=0.010, margin=2.0):
         self.spans = collections.deque(maxlen=history)
         self.backoff = 1.0
         self.d_min = d_min
         self.margin = margin
+        self._value = None
 
     def value(self):
-        """The deadline for the next look (seconds), None without history."""
-        return deadline_for(self.spans, self.d_min, self.margin, self.backoff)
+        """The deadline for the next look (seconds), None without history.  It changes only
+        when a round closes: computed then, not at every look (a server looks per packet)."""
+        return self._value
 
     def closed(self, reason, span):
         """A round closed for ``reason`` after ``span`` seconds from its last worker heard to
@@ -115,6 +117,7 @@ class Deadline:
         if span is not None:
             self.spans.append(max(0.0, float(span)))
         self.backoff = next_backoff(self.backoff, reason)
+        self._value = deadline_for(self.spans, self.d_min, self.margin, self.backoff)
 
 
 def decide(now, expected, received, heard, ends, ratio, grace, deadline):

@@ -30,9 +30,10 @@ class LtpRound:
     """One slice's round at a server under LTP; ``acc`` is its (zeroed) accumulator."""
 
     __slots__ = ("acc", "length", "epp", "n", "workers", "counts", "seen", "received",
-                 "heard", "ends", "first", "last", "dtype", "duplicates")
+                 "heard", "ends", "first", "last", "dtype", "duplicates", "need", "below")
 
-    def __init__(self, acc, epp, num_workers, dtype_code):
+    def __init__(self, acc, epp, num_workers, dtype_code, lowest=0.0):
+        """``lowest``: the lowest acceptance ratio the round can close at (``below``)."""
         self.acc = acc
         self.length = acc.size
         self.epp = epp
@@ -47,6 +48,16 @@ class LtpRound:
         self.first = None
         self.last = None
         self.duplicates = 0
+        # how many workers' parts are still below ``lowest`` of the packets: while any is, no
+        # DATA packet can close the round by ratio or completion (the server skips the look)
+        self.need = lowest * self.n
+        self.below = num_workers if self.need > 0 else 0
+
+    def _got(self, worker, k):
+        """Worker's part grew by ``k`` packets."""
+        r = self.received[worker] = self.received[worker] + k
+        if r - k < self.need <= r:
+            self.below -= 1
 
     def packet_elements(self, seq):
         """Elements of packet ``seq``: all but the last carry ``epp``."""
@@ -71,7 +82,9 @@ class LtpRound:
             self.duplicates += 1
             return False
         self.seen[worker] = seen
-        self.received[worker] += 1
+        r = self.received[worker] = self.received[worker] + 1
+        if r - 1 < self.need <= r:           # _got(worker, 1), without a call per packet
+            self.below -= 1
         if self.heard[worker] is None:
             self._hear(worker, now)
         self.last = now
@@ -87,7 +100,7 @@ class LtpRound:
             copy_into(self.acc, grad)
         self.seen[worker] = bytearray(b"\x01") * self.n
         self.counts += 1
-        self.received[worker] = self.n
+        self._got(worker, self.n - self.received[worker])
         self.ends[worker] = now
         self._hear(worker, now)
         self.last = now
