@@ -2,7 +2,9 @@
 
     python scripts/ltp_loss_plot.py OUT.png DIR_LOSS0 DIR_LOSS0.1 ... [--json SUMMARY.json]
 
-Each DIR is an `mxps bench --out-dir` whose bench.json ran one loss level (options.loss).
+Each DIR is an `mxps bench --out-dir` whose bench.json ran one loss level (options.loss);
+``DIR:SYSTEM,SYSTEM`` takes only those systems from it (a bench that added a system to a
+loss level another bench measured the rest of).
 Plots every system's mean step time (mean of the repetitions, bars: min-max over them) and
 p99 against the loss, with the strict floor; writes a small summary JSON if asked.
 """
@@ -18,18 +20,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 def load(dirs):
     rows = []
     for d in dirs:
+        d, _, only = d.partition(":")
+        only = set(only.split(",")) if only else None
         with open(os.path.join(d, "bench.json")) as f:
             b = json.load(f)
         loss = b["options"]["loss"] or 0.0
         for v in b["variants"]:
             for s in v["systems"]:
-                if not s.get("ok_runs"):
+                if not s.get("ok_runs") or (only is not None and s["name"] not in only):
                     continue
                 rows.append({"loss": loss, "system": s["name"], "runs": s["runs"],
                              "ok_runs": s["ok_runs"], "mean_s": s["mean_s"],
                              "min_s": s["mean_s_min"], "max_s": s["mean_s_max"],
                              "median_s": s["median_s"], "p90_s": s["p90_s"],
-                             "p99_s": s["p99_s"], "e2e_s": s["e2e_s"], "floor_s": s["floor_s"]})
+                             "p99_s": s["p99_s"], "e2e_s": s["e2e_s"], "floor_s": s["floor_s"],
+                             "bench": os.path.basename(os.path.normpath(d))})
     return rows
 
 
