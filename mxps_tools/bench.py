@@ -460,24 +460,37 @@ def follow_changes(steps, changes, tolerance=FOLLOW_TOLERANCE):
 
 # --------------------------------------------------------------------------- what users feel
 
-def _worker_ltp(metrics, num_workers) -> Optional[dict]:
-    """The workers' LTP reports of one run (``<metrics>.worker<r>.ltp.json``): the datagrams
-    they sent and the ACKs they read, summed, and what their I/O threads cost: loop turns and
-    CPU seconds per worker (mean, max), data packets per turn.  None without reports."""
+def _ltp_reports(metrics, role, count) -> List[dict]:
+    """The LTP shutdown reports ``<metrics>.<role><r>.ltp.json`` of ranks 0 .. count - 1 that
+    exist and parse."""
     reports = []
-    for r in range(num_workers):
-        path = "%s.worker%d.ltp.json" % (metrics.replace("{rank}", "x"), r)
+    for r in range(count):
+        path = "%s.%s%d.ltp.json" % (metrics.replace("{rank}", "x"), role, r)
         try:
             with open(path) as f:
                 reports.append(json.load(f))
         except (OSError, ValueError):
             continue
+    return reports
+
+
+def _summed(reports, field) -> dict:
+    """The counters under ``field`` of every report, added up by name."""
+    total = {}
+    for rep in reports:
+        for k, v in rep.get(field, {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _worker_ltp(metrics, num_workers) -> Optional[dict]:
+    """The workers' LTP reports of one run (``<metrics>.worker<r>.ltp.json``): the datagrams
+    they sent and the ACKs they read, summed, and what their I/O threads cost: loop turns and
+    CPU seconds per worker (mean, max), data packets per turn.  None without reports."""
+    reports = _ltp_reports(metrics, "worker", num_workers)
     if not reports:
         return None
-    counts = {}
-    for rep in reports:
-        for k, v in rep.get("counts", {}).items():
-            counts[k] = counts.get(k, 0) + v
+    counts = _summed(reports, "counts")
     io = [rep.get("io", {}) for rep in reports]
     turns = [x.get("turns", 0) for x in io]
     cpu = [x.get("cpu_s", 0.0) for x in io]
@@ -494,20 +507,10 @@ def ltp_stats(metrics, num_servers, num_workers=0) -> Optional[dict]:
     clean shutdown with MXPS_PUSH=ltp), summed: rounds, why they closed, the fraction of the
     gradient packets delivered in time; with ``num_workers``, the workers' reports too
     (``_worker_ltp``, key ``senders``).  None when no server wrote one (TCP runs)."""
-    reports = []
-    for r in range(num_servers):
-        path = "%s.server%d.ltp.json" % (metrics.replace("{rank}", "x"), r)
-        try:
-            with open(path) as f:
-                reports.append(json.load(f))
-        except (OSError, ValueError):
-            continue
+    reports = _ltp_reports(metrics, "server", num_servers)
     if not reports:
         return None
-    total = {}
-    for rep in reports:
-        for k, v in rep.get("stats", {}).items():
-            total[k] = total.get(k, 0) + v
+    total = _summed(reports, "stats")
     expected = total.get("packets_expected", 0)
     return {"servers": len(reports), "rounds": total.get("rounds", 0),
             "closed": {k[len("close_"):]: v for k, v in total.items() if k.startswith("close_")},
