@@ -53,8 +53,8 @@ class LtpRound:
         self.need = lowest * self.n
         self.below = num_workers if self.need > 0 else 0
 
-    def _got(self, worker, k):
-        """Worker's part grew by ``k`` packets."""
+    def credit(self, worker, k):
+        """Count ``k`` more packets of ``worker``'s part (``received`` and ``below``)."""
         r = self.received[worker] = self.received[worker] + k
         if r - k < self.need <= r:
             self.below -= 1
@@ -83,7 +83,7 @@ class LtpRound:
             return False
         self.seen[worker] = seen
         r = self.received[worker] = self.received[worker] + 1
-        if r - 1 < self.need <= r:           # _got(worker, 1), without a call per packet
+        if r - 1 < self.need <= r:           # credit(worker, 1), without a call per packet
             self.below -= 1
         if self.heard[worker] is None:
             self._hear(worker, now)
@@ -100,7 +100,7 @@ class LtpRound:
             copy_into(self.acc, grad)
         self.seen[worker] = bytearray(b"\x01") * self.n
         self.counts += 1
-        self._got(worker, self.n - self.received[worker])
+        self.credit(worker, self.n - self.received[worker])
         self.ends[worker] = now
         self._hear(worker, now)
         self.last = now

@@ -1275,7 +1275,7 @@ class ServerState:
             for w in rnd.senders:      # whole pushes (TCP) already in the sum
                 rnd.ltp.seen[w] = bytearray(b"\x01") * rnd.ltp.n
                 rnd.ltp.counts += 1
-                rnd.ltp._got(w, rnd.ltp.n)
+                rnd.ltp.credit(w, rnd.ltp.n)
                 rnd.ltp.ends[w] = rnd.ltp.heard[w] = now
         if f.worker >= self.num_workers or f.worker in rnd.senders:
             raise _Drop("worker")
