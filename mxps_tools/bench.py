@@ -106,6 +106,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
+from mxps.placement.metrics import report_path
+
 from . import jobs
 
 #: The benchmark's training job ships inside the package: ``python -m mxps_tools.bench_job``.
@@ -465,7 +467,7 @@ def _ltp_reports(metrics, role, count) -> List[dict]:
     exist and parse."""
     reports = []
     for r in range(count):
-        path = "%s.%s%d.ltp.json" % (metrics.replace("{rank}", "x"), role, r)
+        path = report_path(metrics, role, r, "ltp")
         try:
             with open(path) as f:
                 reports.append(json.load(f))

@@ -22,6 +22,26 @@ import time
 MIN_BYTES = 64 * 1024
 
 
+def report_path(metrics, role, rank, what):
+    """Where a node's shutdown report ``what`` goes with MXPS_METRICS=``metrics``:
+    ``<metrics>.<role><rank>.<what>.json`` (``{rank}`` in ``metrics`` written as ``x``)."""
+    return "%s.%s%d.%s.json" % (metrics.replace("{rank}", "x"), role, rank, what)
+
+
+def write_report(metrics, role, rank, what, report, logger):
+    """Log a node's shutdown report (INFO) and, with ``metrics`` set, write it to
+    ``report_path``; a file that cannot be written is a warning, not an error."""
+    logger.info("%s %d: %s %s", role, rank, what, json.dumps(report))
+    if not metrics:
+        return
+    path = report_path(metrics, role, rank, what)
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f)
+    except OSError as e:
+        logger.warning("%s %d: cannot write %s: %s", role, rank, path, e)
+
+
 def tail_of(marks, nbytes, last):
     """(bytes, seconds) of the second half of a round's traffic through one server: from the
     moment half of its bytes had been moved to its last reply.  A link that changes in the

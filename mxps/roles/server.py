@@ -25,7 +25,7 @@ import time
 
 import zmq
 
-from ..placement import trace
+from ..placement import metrics, trace
 from ..wire import frame as wire, tcp as transport
 from ..wire.frame import MsgType
 from . import link as control
@@ -297,16 +297,8 @@ class Server:
 
     def _report(self, what, report):
         """A shutdown report: in the log (INFO) and, with MXPS_METRICS, in
-        ``<metrics>.server<rank>.<what>.json``."""
-        log.info("server %d: %s %s", self.rank, what, json.dumps(report))
-        if self.cfg.metrics:
-            path = "%s.server%d.%s.json" % (self.cfg.metrics.replace("{rank}", "x"), self.rank,
-                                            what)
-            try:
-                with open(path, "w") as f:
-                    json.dump(report, f)
-            except OSError as e:
-                log.warning("server %d: cannot write %s: %s", self.rank, path, e)
+        ``<metrics>.server<rank>.<what>.json`` (``placement.metrics.write_report``)."""
+        metrics.write_report(self.cfg.metrics, "server", self.rank, what, report, log)
 
     def _write_trace(self):
         if self.trace is not None:

@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from ..placement import trace
+from ..placement import metrics, trace
 from ..wire import frame as wire, tcp as transport
 from ..wire.frame import Header, MsgType
 from . import link as control
@@ -427,7 +427,7 @@ class Client:
         # what the thread costs (the LTP report): its turns, those a poll timeout ended with
         # nothing to read, and its CPU time
         io = self.io_stats
-        io["cpu_start"], io["wall_start"] = time.thread_time(), time.monotonic()
+        cpu0, wall0 = time.thread_time(), time.monotonic()
         while not self._stopped.is_set():
             io["turns"] += 1
             self._sleeping = True
@@ -518,8 +518,8 @@ class Client:
             if not self._finished or not self.link.shutdown:
                 self.link.tick(now)
             self._check_overdue(now)
-        io["cpu_s"] = time.thread_time() - io.pop("cpu_start")
-        io["wall_s"] = time.monotonic() - io.pop("wall_start")
+        io["cpu_s"] = time.thread_time() - cpu0
+        io["wall_s"] = time.monotonic() - wall0
         if ltp is not None:
             self._report_ltp()
         for s in self.servers:
@@ -534,14 +534,7 @@ class Client:
         ``.server<rank>.ltp.json``)."""
         report = {"worker": self.rank, "io": dict(self.io_stats)}
         report.update(self.ltp.report())
-        log.info("worker %d: ltp %s", self.rank, json.dumps(report))
-        if self.cfg.metrics:
-            path = "%s.worker%d.ltp.json" % (self.cfg.metrics.replace("{rank}", "x"), self.rank)
-            try:
-                with open(path, "w") as f:
-                    json.dump(report, f)
-            except OSError as e:
-                log.warning("worker %d: cannot write %s: %s", self.rank, path, e)
+        metrics.write_report(self.cfg.metrics, "worker", self.rank, "ltp", report, log)
 
     _REPLY_TYPES = frozenset((MsgType.ACK, MsgType.DATA, MsgType.ERROR))
 
