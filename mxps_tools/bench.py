@@ -106,8 +106,6 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from mxps.placement.metrics import report_path
-
 from . import jobs
 
 #: The benchmark's training job ships inside the package: ``python -m mxps_tools.bench_job``.
@@ -461,6 +459,14 @@ def follow_changes(steps, changes, tolerance=FOLLOW_TOLERANCE):
 
 
 # --------------------------------------------------------------------------- what users feel
+
+def report_path(metrics, role, rank, what):
+    """Where a node writes its shutdown report ``what`` with MXPS_METRICS=``metrics``: the rule
+    of ``mxps.placement.metrics.report_path`` (tests/test_bench.py holds the two equal), repeated
+    here because importing ``mxps`` in a process that carries a job's DMLC_ROLE runs that role:
+    ``mxps bench`` must run anywhere (tests/test_install.py holds that)."""
+    return "%s.%s%d.%s.json" % (metrics.replace("{rank}", "x"), role, rank, what)
+
 
 def _ltp_reports(metrics, role, count) -> List[dict]:
     """The LTP shutdown reports ``<metrics>.<role><r>.ltp.json`` of ranks 0 .. count - 1 that

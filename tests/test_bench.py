@@ -183,6 +183,15 @@ def test_loss_queue_and_mtu_shape_the_emulated_network_and_incast_has_a_shallow_
         "MTU 9000" in line
 
 
+@pytest.mark.parametrize("metrics,role,rank,what", [
+    ("/tmp/m-{rank}.jsonl", "worker", 3, "ltp"), ("out/m.jsonl", "server", 0, "store"),
+    ("plain", "server", 12, "ltp")])
+def test_the_bench_reads_a_report_where_the_node_writes_it(metrics, role, rank, what):
+    from mxps.placement import metrics as node_metrics
+    assert bench.report_path(metrics, role, rank, what) == \
+        node_metrics.report_path(metrics, role, rank, what)
+
+
 def test_ltp_reports_of_the_servers_are_summed_per_run(tmp_path):
     prefix = str(tmp_path / "metrics-run-{rank}.jsonl")
     assert bench.ltp_stats(prefix, 2) is None               # a TCP run: no report
