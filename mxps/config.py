@@ -82,6 +82,7 @@ class Config:
     ltp_critical_first: bool = True  # pushes that go by TCP skip the priority queue
     ltp_grace_always: bool = False  # the grace after the last END even on paths that keep order
     ltp_end_copies: int = 4         # the most copies an END goes as on a lossy path
+    ltp_end_rto: str = "rtt"        # the END's timeout rule (ltp.sender.END_TIMEOUTS)
     ltp_busy_windows: bool = True   # the grant's capacity over the link's busy time (ltp.share)
     ltp_owing: bool = True          # the grant shared by the workers that owe an open round
     ltp_fair: bool = True           # the grant leaves other processes' TCP flows their share
@@ -224,6 +225,10 @@ def _ltp(env):
     if not 0 <= quantum <= 1:
         raise ConfigError("MXPS_LTP_QUANTUM=%s: seconds in [0, 1] (0: pump for every packet)"
                           % quantum)
+    end_rto = _get(env, "MXPS_LTP_END_RTO", "rtt").lower()
+    if end_rto not in ("rtt", "min_rtt"):
+        raise ConfigError("MXPS_LTP_END_RTO=%s: rtt (RFC 6298's srtt + 4 rttvar) or min_rtt "
+                          "(4 x the minimum RTT, for ablations)" % end_rto)
     return dict(push=push, ltp_fill=fill, ltp_ratio=ratio, ltp_deadline=deadline,
                 ltp_grace=_float(env, "MXPS_LTP_GRACE", 0.002),
                 ltp_critical_first=_bool(env, "MXPS_LTP_CRITICAL_FIRST", True),
@@ -232,6 +237,7 @@ def _ltp(env):
                 ltp_quantum=quantum,
                 ltp_grace_always=_bool(env, "MXPS_LTP_GRACE_ALWAYS", False),
                 ltp_end_copies=_int(env, "MXPS_LTP_END_COPIES", 4, minimum=1),
+                ltp_end_rto=end_rto,
                 ltp_busy_windows=_bool(env, "MXPS_LTP_BUSY_WINDOWS", True),
                 ltp_owing=_bool(env, "MXPS_LTP_OWING", True),
                 ltp_fair=_bool(env, "MXPS_LTP_FAIR", True))

@@ -456,6 +456,37 @@ def test_a_packet_given_up_leaves_inflight_once_and_its_late_ack_counts_as_deliv
     assert m.pacing_rate >= 0.99 * rate_before     # loss did not cut the rate
 
 
+def rfc6298(samples):
+    """RFC 6298's SRTT and RTTVAR after ``samples``, as section 2 writes them."""
+    srtt = rttvar = None
+    for r in samples:
+        if srtt is None:
+            srtt, rttvar = r, r / 2
+        else:
+            rttvar = 0.75 * rttvar + 0.25 * abs(srtt - r)
+            srtt = 0.875 * srtt + 0.125 * r
+    return srtt, rttvar
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=1e-5, max_value=0.5), min_size=1, max_size=30),
+       st.floats(min_value=0.001, max_value=0.01))
+def test_the_retransmission_timeout_is_rfc_6298s_over_the_acked_packets(rtts, floor):
+    m = PathRate(0.0, initial_rate=10e6)
+    assert m.rto(floor, 1.0) is None and m.rttvar is None          # no sample yet
+    t = 0.0
+    for pn, r in enumerate(rtts, 1):
+        m.on_send(pn, MSS, t)
+        m.on_ack([pn], t + r)
+        t += r
+    srtt, rttvar = rfc6298(rtts)
+    assert m.srtt == pytest.approx(srtt, rel=1e-9) and m.rttvar == pytest.approx(rttvar,
+                                                                                  rel=1e-9)
+    assert m.rto(floor, 1.0) == pytest.approx(min(1.0, max(floor, srtt + 4 * rttvar)),
+                                              rel=1e-9)
+    assert m.snapshot()["rttvar"] == m.rttvar
+
+
 def test_unacknowledged_packets_time_out_of_a_full_window():
     m = PathRate(0.0, initial_rate=10e6)
     m.on_send(1, MSS, 0.0)

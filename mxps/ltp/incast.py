@@ -86,7 +86,9 @@ class LtpSender:
                                       % (spec.sender, host, spec.port)) from None
                 time.sleep(0.05)
         local = ctl.getsockname()[0]
-        self.sender = Sender(spec.sender, local, end_copies=_SETTINGS["ltp_end_copies"])
+        self.sender = Sender(spec.sender, local, quantum=_SETTINGS["ltp_quantum"],
+                             end_copies=_SETTINGS["ltp_end_copies"],
+                             end_rto=_SETTINGS["ltp_end_rto"])
         _send_blob(ctl, json.dumps({"sender": spec.sender, "hello": json.loads(
             self.sender.hello_body(host, spec.port))}).encode())
         # the reply is read at the first send: the receiver answers hellos only once the

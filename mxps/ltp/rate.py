@@ -55,7 +55,9 @@ EXTRA_ACKED_ROUNDS = 5                  # ACK aggregation: max over 2 slots of 5
 EXTRA_ACKED_MAX_SECONDS = 0.1           # ... and never more than 100 ms at btl_bw
 DEFAULT_RTT = 0.001                     # seconds, before any RTT sample (pacing of STARTUP)
 MIN_RTT_SAMPLE = 1e-6                   # seconds: a caller's coarse clock may say 0
-SRTT_GAIN = 0.125
+SRTT_GAIN = 0.125                       # RFC 6298's alpha
+RTTVAR_GAIN = 0.25                      # RFC 6298's beta
+RTO_RTTVARS = 4.0                       # RFC 6298's K
 LOSS_TIMEOUT_SRTTS = 4.0
 MIN_LOSS_TIMEOUT = 0.002                # seconds
 INITIAL_LOSS_TIMEOUT = 0.05             # seconds, before any RTT sample
@@ -125,6 +127,7 @@ class PathRate:
         self._min_rtt = None
         self._min_rtt_stamp = now
         self._srtt = None
+        self._rttvar = None
         self._timeout = INITIAL_LOSS_TIMEOUT
         # state machine
         self._full_bw = 0.0
@@ -177,6 +180,21 @@ class PathRate:
     @property
     def srtt(self):
         return self._srtt
+
+    @property
+    def rttvar(self):
+        """The RTT samples' mean deviation (RFC 6298's RTTVAR); None before a sample."""
+        return self._rttvar
+
+    def rto(self, floor, ceiling):
+        """A retransmission timeout for a critical packet of this path, RFC 6298's
+        ``srtt + 4 rttvar`` within [``floor``, ``ceiling``]; None before any RTT sample.  The
+        samples are of every ACKed packet (each resend has a packet number of its own, so no
+        sample is ambiguous, as in QUIC) and include the receiver's and the sender's delays
+        in reading and answering, which an END's ACK sees too."""
+        if self._srtt is None:
+            return None
+        return min(ceiling, max(floor, self._srtt + RTO_RTTVARS * self._rttvar))
 
     @property
     def delivered_bytes(self):
@@ -365,6 +383,7 @@ class PathRate:
         return {
             "state": self.state, "pacing_gain": round(self.pacing_gain, 4),
             "btl_bw": self.btl_bw, "min_rtt": self.min_rtt, "srtt": self._srtt,
+            "rttvar": self._rttvar,
             "pacing_rate": self._pacing, "cwnd": self.cwnd if not self._cwnd_open else None,
             "inflight": self._inflight, "round": self._round,
             "extra_acked": self.extra_acked(),
@@ -426,9 +445,14 @@ class PathRate:
             self._pacing = self._clamp(self._wanted)
 
     def _update_rtt(self, rtt, now):
-        """srtt and the min_rtt filter; True if min_rtt had gone unrefreshed for the window."""
-        self._srtt = rtt if self._srtt is None else (
-            (1 - SRTT_GAIN) * self._srtt + SRTT_GAIN * rtt)
+        """srtt, rttvar (RFC 6298, section 2) and the min_rtt filter; True if min_rtt had gone
+        unrefreshed for the window."""
+        if self._srtt is None:
+            self._srtt, self._rttvar = rtt, rtt / 2
+        else:
+            self._rttvar = ((1 - RTTVAR_GAIN) * self._rttvar
+                            + RTTVAR_GAIN * abs(self._srtt - rtt))
+            self._srtt = (1 - SRTT_GAIN) * self._srtt + SRTT_GAIN * rtt
         self._timeout = max(LOSS_TIMEOUT_SRTTS * self._srtt, MIN_LOSS_TIMEOUT)
         expired = (self._min_rtt is not None
                    and now > self._min_rtt_stamp + self._min_rtt_window)

@@ -129,7 +129,8 @@ class Client:
         if cfg.push == "ltp" and cfg.sync:
             from ..ltp.sender import Sender
             self.ltp = Sender(self.rank, host, cfg.ltp_drop, cfg.ltp_seed,
-                              quantum=cfg.ltp_quantum, end_copies=cfg.ltp_end_copies)
+                              quantum=cfg.ltp_quantum, end_copies=cfg.ltp_end_copies,
+                              end_rto=cfg.ltp_end_rto)
         self._thread = threading.Thread(target=self._io_loop, name="mxps-io", daemon=True)
         self._thread.start()
         if self.ltp is not None:
