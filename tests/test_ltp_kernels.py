@@ -104,21 +104,29 @@ def test_the_selector_uses_the_compiled_module_and_the_endpoints_use_the_selecto
     from mxps.kernels import ltp
     mod = ltp_py if config.pure_python() else _ltp        # the suite may run with the twins
     assert ltp.IMPLEMENTATION == ("python" if mod is ltp_py else "cython")
-    assert (ltp.recv_batch, ltp.send_batch, ltp.open_batch, ltp.send_run) == (
-        mod.recv_batch, mod.send_batch, mod.open_batch, mod.send_run)
-    assert receiver_mod.recv_batch is ltp.recv_batch and receiver_mod.open_batch is ltp.open_batch
+    names = ("recv_batch", "send_batch", "open_batch", "send_run", "intake", "take_common",
+             "encode_acks", "PathCore", "ShareCore", "RoundCore")
+    assert [getattr(ltp, n) for n in names] == [getattr(mod, n) for n in names]
+    for n in ("recv_batch", "intake", "take_common", "encode_acks", "send_batch"):
+        assert getattr(receiver_mod, n) is getattr(ltp, n)
     assert sender_mod.send_batch is ltp.send_batch and sender_mod.recv_batch is ltp.recv_batch
     assert sender_mod.send_run is ltp.send_run
+    from mxps.ltp import rounds, share
+    assert issubclass(receiver_mod._Path, ltp.PathCore)
+    assert issubclass(share.Share, ltp.ShareCore) and issubclass(rounds.LtpRound, ltp.RoundCore)
 
 
 def test_mxps_pure_python_makes_the_receiver_and_the_sender_use_the_twins():
     code = ("import json; from mxps.kernels import ltp; from mxps.ltp import receiver, sender; "
+            "from mxps.ltp import rounds, share; "
             "print(json.dumps([ltp.IMPLEMENTATION] + [f.__module__ for f in (receiver.recv_batch,"
-            " receiver.open_batch, sender.send_batch, sender.recv_batch, sender.send_run)]))")
+            " receiver.intake, receiver.take_common, sender.send_batch, sender.recv_batch, "
+            "sender.send_run, receiver._Path.__base__, share.Share.__base__, "
+            "rounds.LtpRound.__base__)]))")
     env = dict(os.environ, MXPS_PURE_PYTHON="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    assert json.loads(out) == ["python"] + ["mxps.kernels.ltp_py"] * 5
+    assert json.loads(out) == ["python"] + ["mxps.kernels.ltp_py"] * 9
 
 
 # --- recv_batch ---------------------------------------------------------------------------------
@@ -599,7 +607,10 @@ def impl(request, monkeypatch):
     """Make the receiver and the sender use one implementation."""
     mod = _ltp if request.param == "cython" else ltp_py
     monkeypatch.setattr(receiver_mod, "recv_batch", mod.recv_batch)
-    monkeypatch.setattr(receiver_mod, "open_batch", mod.open_batch)
+    monkeypatch.setattr(receiver_mod, "intake", mod.intake)
+    monkeypatch.setattr(receiver_mod, "take_common", mod.take_common)
+    monkeypatch.setattr(receiver_mod, "encode_acks", mod.encode_acks)
+    monkeypatch.setattr(receiver_mod, "send_batch", mod.send_batch)
     monkeypatch.setattr(sender_mod, "recv_batch", mod.recv_batch)
     monkeypatch.setattr(sender_mod, "send_batch", mod.send_batch)
     monkeypatch.setattr(sender_mod, "send_run", mod.send_run)

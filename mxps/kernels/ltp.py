@@ -11,3 +11,10 @@ send_batch = _impl.send_batch
 open_batch = _impl.open_batch
 round_add = _impl.round_add
 send_run = _impl.send_run
+# the server's packet intake (ltp_py's last section)
+PathCore = _impl.PathCore
+ShareCore = _impl.ShareCore
+RoundCore = _impl.RoundCore
+take_common = _impl.take_common
+intake = _impl.intake
+encode_acks = _impl.encode_acks

@@ -24,7 +24,11 @@ module (MXPS_PURE_PYTHON=1 selects it).
   address, its tag verifies with that path's key, and it decodes (``ltp.packet.decode``, with
   ``itemsize_of``).  Returns one entry per datagram: ``(Fields, payload memoryview)``, or None
   for a datagram that fails any of these; the caller runs the reference checks on those (to
-  count and log why), so this only decides which datagrams take the fast path.
+  count and log why), so this only decides which datagrams take the fast path.  ``intake``
+  (the server's packet intake, the last section below) opens its datagrams with the same
+  checks.
+- ``PathCore``, ``ShareCore``, ``RoundCore``, ``take_common``, ``intake``, ``encode_acks``:
+  the server's packet intake (see that section).
 
 Both check their arguments here (``check_recv``, ``address``, ``check_buffers``; the compiled
 module calls the same functions), so a wrong argument fails the same way in both, naming what
@@ -32,6 +36,8 @@ is wrong, before anything is read or sent.  IPv4 datagram sockets only (LTP's).
 """
 import socket
 import struct
+
+import numpy as np
 
 from ..ltp import packet as pk
 from .accum import add_into
@@ -305,3 +311,337 @@ def send_run(sock, addr, tagger, worker, dtype, key, plan_version, round_, offse
                                plan_version, round_, offset, length, s, count,
                                view[lo:lo + count * itemsize]), addr))
     return send_batch(sock, msgs)
+
+
+# ===================================================================== the server's packet intake
+# A server under LTP takes ~35 K datagrams a second into one process (400 Mbit/s at MTU 1500).
+# Per datagram it notes the path's order and loss (``PathCore.note``), the grant's arrival
+# windows (``ShareCore.on_packet``), the packet number to ACK, and hands the packet to the round
+# it belongs to (``ServerState.take_packet``).  ``intake`` does all of that for a batch, and
+# adds a DATA packet of a round the server registered as open (``fast``) straight into it
+# (``RoundCore.add``) when the Early Close rule cannot change its answer at that packet; every
+# other packet (an END, a worker's first packet of a round, a duplicate, a packet of a closed or
+# unknown round, another plan version) is handed back to the caller, which takes it the slow
+# way.  The classes below hold the state those steps change; ``ltp.receiver``, ``ltp.share`` and
+# ``ltp.rounds`` build on them.  The compiled module does the same in C, on the same state.
+
+IN_ORDER, REORDERED, IN_HOST = 0, 1, 2     # PathCore.note
+BLOCK = 256                 # packet numbers per loss sample (a path's loss: PathCore.note)
+LOSS_WEIGHT = 0.2           # the weight of a new block's loss in the path's average
+# the grant's rate windows (ltp.share, which documents them)
+WINDOW = 0.01               # seconds per rate sample
+IDLE_GAP = 4 * WINDOW       # seconds without a packet after which the link was idle anyway
+TRAIN_SKIP = 0.001          # seconds at the start of a busy time not counted
+# the ACKs of a batch (the compiled twin packs them in C)
+encode_acks = pk.encode_acks
+# ``intake``'s tally: what the batch's packets added up to (the receiver adds it to its counts)
+T_PACKETS, T_BYTES, T_OUT_OF_ORDER, T_IN_HOST, T_REORDERED, T_FAST = range(6)
+
+
+class PathCore:
+    """One worker's path into a server: its registered address and ``packet.Tagger``, the
+    packet numbers to ACK after the batch (``acks``), and what its packet numbers say (``note``):
+    how many arrived (``received``), the loss estimate (``loss``: blocks of BLOCK numbers,
+    settled once numbers two blocks later arrive, averaged with LOSS_WEIGHT; ``settled``
+    blocks), the highest number seen (``hi``) and its arrival stamp (``hi_stamp``)."""
+
+    __slots__ = ("addr", "tagger", "acks", "block", "block_seen", "hi", "hi_stamp", "settled",
+                 "loss", "received")
+
+    def __init__(self, addr, tagger):
+        self.addr = addr
+        self.tagger = tagger
+        self.acks = []
+        self.block = None          # the oldest unsettled block index
+        self.block_seen = {}       # block index -> distinct packet numbers seen
+        self.hi = -1
+        self.hi_stamp = None       # the arrival stamp of the packet numbered ``hi``
+        self.settled = 0
+        self.loss = 0.0
+        self.received = 0
+
+    def note(self, pn, stamp=None):
+        """Count packet number ``pn`` (arrival stamp ``stamp``, None if unknown) towards the
+        loss estimate (duplicates are rare and only make the path look a little better).
+        Returns IN_ORDER, or REORDERED if it came after a higher number of this path
+        (reordered by the network, or a duplicate of an older one), or IN_HOST if it did only
+        by the socket, not by the stamps (ltp.receiver's module doc)."""
+        self.received += 1
+        order = IN_ORDER
+        if self.hi >= 0:      # numbers travel modulo 2**32: unwrap near the highest seen
+            pn = self.hi + (((pn - self.hi) + (1 << 31)) & pk.PN_MASK) - (1 << 31)
+            if pn < self.hi:
+                order = IN_HOST if (stamp is not None and self.hi_stamp is not None
+                                    and stamp < self.hi_stamp) else REORDERED
+        b = pn // BLOCK
+        if self.block is None:
+            self.block = b
+        if b < self.block:
+            return order
+        self.block_seen[b] = self.block_seen.get(b, 0) + 1
+        if pn > self.hi:
+            self.hi, self.hi_stamp = pn, stamp
+        while self.hi // BLOCK >= self.block + 2:
+            seen = min(self.block_seen.pop(self.block, 0), BLOCK)
+            missing = 1.0 - seen / BLOCK
+            self.loss = missing if not self.settled else (
+                (1 - LOSS_WEIGHT) * self.loss + LOSS_WEIGHT * missing)
+            self.settled += 1
+            self.block += 1
+        return order
+
+
+class ShareCore:
+    """The arrival side of a server's grant (``ltp.share.Share``, which documents the rules and
+    adds the rest): who sent last when (``_last``), the bytes read (``_read_bytes``) and the
+    rate windows, on the kernel's arrival stamps over the link's busy time (``busy_windows``,
+    ``_arrival``) or on read times (``on_packet``).  A finished window's rate goes to
+    ``self._add(time, bytes/s)``, which the subclass defines."""
+
+    def __init__(self, num_workers, busy_windows=True):
+        self.n = num_workers
+        self.busy_windows = busy_windows
+        self._read_bytes = 0.0
+        self._start = None              # the window: reads in (start, read]; None: no window
+        #                                 (waiting for a read that drains the socket)
+        self._read = None               # the time of the last read (its packets share it)
+        self._drained = True            # ... and whether it emptied the socket
+        self._bytes = 0
+        self._last = [None] * num_workers
+        # stamped arrivals (_arrival): who is sending, and the window's busy time
+        self._sending = [False] * num_workers
+        self._busy_workers = 0
+        self._busy = 0.0
+        self._train = None              # when the current busy time began
+        self._offset = None             # stamp clock - read clock, at the first stamp
+        self._phase = None              # the gain phase the busy time and bytes are of
+
+    def _add(self, now, rate):          # pragma: no cover - the subclass's
+        raise NotImplementedError
+
+    def on_packet(self, worker, nbytes, now, drained=True, arrival=None, end=False):
+        """A packet of ``nbytes`` from ``worker`` was read at ``now`` (the packets of one
+        batch read share their ``now``); ``drained``: that read emptied the socket (it returned
+        fewer datagrams than it could take); ``end``: it is an END (the worker has sent its
+        push whole).  A window runs from one read to a later one and
+        holds the bytes of the reads after its start: those arrived within it, provided the
+        read at its start drained the socket.  So a window starts only at a draining read: after
+        a read that left datagrams behind (a server behind its link), the next reads hold what
+        came before it, and counting that backlog measured how fast the server caught up, not
+        the link (issue #11: 72 MB/s of capacity on a 50 MB/s link, 13-17% of the packets
+        dropped by its queue with no random loss).  A batch read after a pause does not count
+        the pause's bytes in the next window either.
+
+        ``arrival``: the kernel's arrival time of the packet (SO_TIMESTAMPNS, another clock
+        than ``now``; None if there is none).  With it the windows are the link's own schedule,
+        whenever the server read them (``now`` still says when the worker was last active),
+        and they count only the link's busy time (``_arrival``)."""
+        self._last[worker] = now
+        self._read_bytes += nbytes
+        if arrival is not None:
+            if self.busy_windows:
+                self._arrival(worker, nbytes, arrival, now, end)
+                return
+            now, drained = arrival, True        # each packet its own read at its arrival
+            if self._read is not None and now < self._read:
+                # a clock step back (the realtime clock was set): start over from here
+                self._read, self._start, self._bytes = now, now, 0
+                return
+        if self._read is None:
+            self._read, self._drained = now, drained
+            self._start = now if drained else None
+            return
+        if now != self._read:           # the first packet of a new read
+            prev, prev_drained = self._read, self._drained
+            self._read, self._drained = now, drained
+            if self._start is not None and prev - self._start >= WINDOW:
+                span = prev - self._start
+                if span < 4 * WINDOW:   # a gap (nothing arrived) is not a rate sample
+                    self._add(prev, self._bytes / span)
+                self._start = None
+            if now - prev >= 4 * WINDOW:
+                # after a gap this read holds bytes that came at some time in it: a window
+                # may start here (if it drained), its bytes not counted
+                self._start, self._bytes = (now if drained else None), 0
+            elif self._start is None:
+                self._start, self._bytes = (prev if prev_drained else None), 0
+        elif not drained:
+            self._drained = False
+        if self._start is not None and now > self._start:
+            self._bytes += nbytes
+
+    def _arrival(self, worker, nbytes, t, now, end):
+        """A packet that arrived at ``t`` (the kernel's stamp), read at ``now``.
+
+        A rate sample is one phase of the grant's gain (a ``WINDOW`` of the read clock, which
+        ``t`` is mapped to by the offset between the clocks at the first stamp), over the link's
+        busy time in it: the time between consecutive arrivals while some worker was sending,
+        i.e. had a packet of its push here and not yet its END (and for at most ``IDLE_GAP``
+        without a packet: an END lost and being resent, a worker gone); a phase with less than
+        half a window of it gives no sample.
+        - Busy time, not all of it: the time after every worker's END until the next packet is
+          the link idle, not carrying less.  Counted, it made every window of a job of small
+          pushes a mix of both (rounds of 8 x 50 KB with the round trip between them: a
+          capacity of 75-92% of the link), and the grant cut from it made the next rounds
+          longer still (docs/bench/RESULTS.md).
+        - The first ``TRAIN_SKIP`` of a busy time does not count (its first packet was sent
+          before its stamp): a link idle for a while lets a burst through at once (a token
+          bucket full of tokens, a NIC's coalesced interrupt; the emulated switch's tbf:
+          10 kB), which counted made the capacity 3% more than the link could carry (50.0
+          MB/s where LTP's datagrams fill a 400 Mbit/s link at 48.6: 3% of the packets dropped
+          by the queue with no random loss).
+        - One sample per gain phase: random loss before the bottleneck delivers 1 - p of what
+          is sent, so only a probe phase's sample (1.15 (1 - p) of the capacity) can raise the
+          capacity when the link is not full; a window across phases averages the gains to 1
+          and the capacity sank to 65% of the link at 10% loss."""
+        sending = self._sending
+        prev, self._read = self._read, t
+        if self._offset is None or (prev is not None and t < prev):
+            # the first stamp, or a clock step back (the realtime clock was set): start over
+            self._offset, self._phase, self._busy, self._bytes = t - now, None, 0.0, 0
+            prev = None
+        busy = self._busy_workers > 0 and prev is not None and t - prev < IDLE_GAP
+        if not busy:
+            self._train = t
+        if end:
+            if sending[worker]:
+                sending[worker] = False
+                self._busy_workers -= 1
+        elif not sending[worker]:
+            sending[worker] = True
+            self._busy_workers += 1
+        phase = int((t - self._offset) / WINDOW)
+        if phase != self._phase:
+            if self._busy >= WINDOW / 2:
+                self._add(t, self._bytes / self._busy)
+            self._phase, self._busy, self._bytes = phase, 0.0, 0
+        if busy and t - self._train >= TRAIN_SKIP:
+            self._busy += t - prev
+            self._bytes += nbytes
+
+
+class RoundCore:
+    """One slice's round at a server under LTP (``ltp.rounds.LtpRound``, which documents it and
+    adds the rest): the accumulator ``acc`` (zeroed), ``epp`` elements per packet, ``n``
+    packets, per packet the workers whose copy arrived (``counts``), per worker its packets
+    (``seen``: a bytearray once it sent one), how many (``received``), when it was first
+    heard and its END came (``heard``, ``ends``), the round's first and last packet times, the
+    duplicates, and ``below``: how many workers' parts are below ``need`` packets (the lowest
+    acceptance ratio the round can close at; while any is, no DATA packet can close it).
+    ``plan_version`` and ``live`` are the server's: the plan the round belongs to, and whether
+    ``intake`` may still add to it (False once it closed)."""
+
+    def __init__(self, acc, epp, num_workers, dtype_code, lowest=0.0):
+        self.acc = acc
+        self.length = acc.size
+        self.epp = epp
+        self.n = pk.packet_count(self.length, epp)
+        self.workers = num_workers
+        self.dtype = dtype_code
+        self.counts = np.zeros(self.n, dtype=np.uint16)
+        self.seen = [None] * num_workers      # per worker: bytearray(n) once it sent a packet
+        self.received = [0] * num_workers
+        self.heard = [None] * num_workers
+        self.ends = [None] * num_workers
+        self.first = None
+        self.last = None
+        self.duplicates = 0
+        self.need = lowest * self.n
+        self.below = num_workers if self.need > 0 else 0
+        self.plan_version = 0
+        self.live = False
+
+    def _hear(self, worker, now):
+        if self.heard[worker] is None:
+            self.heard[worker] = now
+        if self.first is None:
+            self.first = now
+
+    def add(self, worker, seq, count, payload, now):
+        """Add DATA packet ``seq`` of ``worker``.  Returns False for a duplicate (nothing
+        changes); raises ValueError for a packet that does not fit the slice.  The check, the
+        scatter-add and the counting are one ``round_add``."""
+        seen = self.seen[worker]
+        if seen is None:                # kept only once a packet was added
+            seen = bytearray(self.n)
+        if not round_add(self.acc, self.counts, seen, seq, self.epp, count, payload,
+                         self.dtype):
+            self.duplicates += 1
+            return False
+        self.seen[worker] = seen
+        r = self.received[worker] = self.received[worker] + 1
+        if r - 1 < self.need <= r:           # one more part at the lowest ratio
+            self.below -= 1
+        if self.heard[worker] is None:
+            self._hear(worker, now)
+        self.last = now
+        return True
+
+
+def take_common(worker, pn, end, nbytes, stamp, now, drained, paths, share, touched, tally):
+    """What the server does with every verified packet before it looks at its round: the path
+    notes its number (order, loss) and will ACK it, the grant counts its arrival, and the
+    batch's ``tally`` counts it (``T_*``; ``touched[worker]``: the worker gets an ACK)."""
+    path = paths[worker]
+    order = path.note(pn, stamp)
+    if order == REORDERED:
+        tally[T_REORDERED] = 1
+        tally[T_OUT_OF_ORDER] += 1
+    elif order == IN_HOST:
+        tally[T_IN_HOST] += 1
+    path.acks.append(pn)
+    share.on_packet(worker, nbytes, now, drained, stamp, end)
+    touched[worker] = True
+    tally[T_PACKETS] += 1
+    tally[T_BYTES] += nbytes
+
+
+def _fast_add(f, payload, now, fast, plan_version):
+    """Add DATA packet ``f`` into its round if ``fast`` holds that round open and the server's
+    rules for the packet come to nothing but the add: the plan version, dtype and cut are
+    right, the worker was heard in the round before and has not sent this packet, and the add
+    leaves a worker's part below the lowest acceptance ratio (so Early Close has no look to
+    take).  True if it was added; False leaves the packet to the server."""
+    rnd = fast.get((f.key, f.offset, f.round))
+    if rnd is None or not rnd.live or f.plan_version != plan_version \
+            or rnd.plan_version != plan_version or f.dtype != rnd.dtype \
+            or f.dtype > 1 or f.length != rnd.length or f.worker >= rnd.workers:
+        return False
+    w, seq = f.worker, f.seq
+    seen = rnd.seen[w]
+    if seen is None or rnd.heard[w] is None or not 0 <= seq < rnd.n or seen[seq] \
+            or f.count != min(rnd.epp, rnd.length - seq * rnd.epp):
+        return False
+    r = rnd.received[w]
+    if rnd.below - (1 if r < rnd.need <= r + 1 else 0) <= 0:
+        return False
+    return rnd.add(w, seq, f.count, payload, now)
+
+
+def intake(view, slot_size, got, stamps, start, now, drained, opened_paths, paths, share,
+           itemsize_of, touched, tally, fast=None, plan_version=0):
+    """Take the datagrams ``start, start + 1, ...`` of a ``recv_batch`` result (``view``,
+    ``slot_size``, ``got``, ``stamps`` as ``open_batch`` and ``recv_batch`` have them), as far
+    as they need nothing of the caller: each opened (``open_batch``'s checks, ``opened_paths``)
+    and taken by ``take_common`` (``paths``: the ``PathCore`` of each worker, ``share``: a
+    ``ShareCore``; ``now``, ``drained``: the read's time and whether it emptied the socket),
+    then, if it is a DATA packet ``fast`` (``(key, offset, round)`` -> ``RoundCore``, or None)
+    can add (``_fast_add``), added (``tally[T_FAST]`` counts it).  Returns ``(i, opened)`` at
+    the first datagram the caller must handle: ``opened`` None for one the checks refused
+    (nothing done with it: the caller's reference checks say why, or take it after all), else
+    its ``(Fields, payload)``, taken in common but not added; ``(len(got), None)`` at the
+    end."""
+    for i in range(start, len(got)):
+        size, addr = got[i]
+        lo = i * slot_size
+        opened = _open(view[lo:lo + size], addr, opened_paths, itemsize_of)
+        if opened is None:
+            return i, None
+        f, payload = opened
+        take_common(f.worker, f.pn, f.type == pk.END, size, stamps[i] if stamps else None,
+                    now, drained, paths, share, touched, tally)
+        if f.type != pk.DATA or fast is None or not _fast_add(f, payload, now, fast,
+                                                               plan_version):
+            return i, opened
+        tally[T_FAST] += 1
+    return len(got), None

@@ -19,39 +19,20 @@ those elements' sum is zero.
 import numpy as np
 
 from ..kernels.accum import add_into, copy_into
-from ..kernels.ltp import round_add
-from .packet import packet_count
+from ..kernels.ltp import RoundCore
 
 RESCALE, ZERO = "rescale", "zero"
 FILLS = (RESCALE, ZERO)
 
 
-class LtpRound:
-    """One slice's round at a server under LTP; ``acc`` is its (zeroed) accumulator."""
+class LtpRound(RoundCore):
+    """One slice's round at a server under LTP; ``acc`` is its (zeroed) accumulator.  Its state
+    and ``add`` (a DATA packet: check, scatter-add, count; per packet the server's hot path)
+    are ``RoundCore``'s (kernels.ltp_py documents the attributes; kernels._ltp compiles them,
+    and its ``intake`` adds most packets without a call here); ``lowest``: the lowest
+    acceptance ratio the round can close at (``below``)."""
 
-    __slots__ = ("acc", "length", "epp", "n", "workers", "counts", "seen", "received",
-                 "heard", "ends", "first", "last", "dtype", "duplicates", "need", "below")
-
-    def __init__(self, acc, epp, num_workers, dtype_code, lowest=0.0):
-        """``lowest``: the lowest acceptance ratio the round can close at (``below``)."""
-        self.acc = acc
-        self.length = acc.size
-        self.epp = epp
-        self.n = packet_count(self.length, epp)
-        self.workers = num_workers
-        self.dtype = dtype_code
-        self.counts = np.zeros(self.n, dtype=np.uint16)
-        self.seen = [None] * num_workers      # per worker: bytearray(n) once it sent a packet
-        self.received = [0] * num_workers
-        self.heard = [None] * num_workers
-        self.ends = [None] * num_workers
-        self.first = None
-        self.last = None
-        self.duplicates = 0
-        # how many workers' parts are still below ``lowest`` of the packets: while any is, no
-        # DATA packet can close the round by ratio or completion (the server skips the look)
-        self.need = lowest * self.n
-        self.below = num_workers if self.need > 0 else 0
+    __slots__ = ()
 
     def credit(self, worker, k):
         """Count ``k`` more packets of ``worker``'s part (``received`` and ``below``)."""
@@ -62,33 +43,6 @@ class LtpRound:
     def packet_elements(self, seq):
         """Elements of packet ``seq``: all but the last carry ``epp``."""
         return min(self.epp, self.length - seq * self.epp)
-
-    def _hear(self, worker, now):
-        if self.heard[worker] is None:
-            self.heard[worker] = now
-        if self.first is None:
-            self.first = now
-
-    def add(self, worker, seq, count, payload, now):
-        """Add DATA packet ``seq`` of ``worker``.  Returns False for a duplicate (nothing
-        changes); raises ValueError for a packet that does not fit the slice.  The check, the
-        scatter-add and the counting are one call of ``kernels.ltp.round_add`` (per packet
-        this is the server's hot path)."""
-        seen = self.seen[worker]
-        if seen is None:                # kept only once a packet was added
-            seen = bytearray(self.n)
-        if not round_add(self.acc, self.counts, seen, seq, self.epp, count, payload,
-                         self.dtype):
-            self.duplicates += 1
-            return False
-        self.seen[worker] = seen
-        r = self.received[worker] = self.received[worker] + 1
-        if r - 1 < self.need <= r:           # credit(worker, 1), without a call per packet
-            self.below -= 1
-        if self.heard[worker] is None:
-            self._hear(worker, now)
-        self.last = now
-        return True
 
     def add_whole(self, worker, grad, now):
         """A worker's whole slice (pushed reliably).  False if it had already sent any of it."""

@@ -54,7 +54,10 @@ before issue #11).  Pure: every method takes ``now``.
 import heapq
 from collections import deque
 
-WINDOW = 0.01          # seconds per rate sample
+from ..kernels import ltp_py
+from ..kernels.ltp import ShareCore
+
+WINDOW = ltp_py.WINDOW  # seconds per rate sample (0.01)
 HORIZON = 10.0         # seconds: capacity is a high rank of the samples of this long ...
 RANK = 2               # ... the RANK-th highest (a lone burst from a late read is ignored)
 ACTIVE = 0.5           # a worker is active if a packet of it came within this many seconds
@@ -63,8 +66,10 @@ ACTIVE = 0.5           # a worker is active if a packet of it came within this m
 OTHERS_HOLD = 0.5      # seconds a sample of other processes' TCP traffic (``others``) holds
 COMBINED = 0.2         # seconds per capacity sample of the job's and others' bytes together
 HEADROOM = 0.05        # of the capacity, left free while others' TCP traffic is under its share
-IDLE_GAP = 4 * WINDOW  # seconds without a packet after which the link was idle anyway
-TRAIN_SKIP = 0.001     # seconds at the start of a busy time not counted (a burst after idle)
+IDLE_GAP = ltp_py.IDLE_GAP      # seconds without a packet after which the link was idle
+#                                 anyway (4 windows)
+TRAIN_SKIP = ltp_py.TRAIN_SKIP  # seconds at the start of a busy time not counted (a burst
+#                                 after idle: 1 ms)
 GAINS = (1.15, 0.85, 1.0, 1.0)   # the grant's gain over an exact share, one WINDOW each, in turn
 #                        (the same phase for every worker: the sum of their rates probes)
 
@@ -83,7 +88,7 @@ def gain(now):
     return GAINS[int(now / WINDOW) % len(GAINS)]
 
 
-class Share:
+class Share(ShareCore):
     """``busy_windows``: with arrival stamps, the capacity over the link's busy time, a sample
     per gain phase (``_arrival``; False: windows over all the time, as before issue #11's
     session 16, for ablations); ``owing``: the grant shared by the workers that still owe an
@@ -91,132 +96,24 @@ class Share:
     TCP flows into this host their share (``others``; False: it does not look)."""
 
     def __init__(self, num_workers, busy_windows=True, owing=True, fair=True):
-        self.n = num_workers
-        self.busy_windows = busy_windows
+        # the arrival side (on_packet, the windows, the bytes read; kernels.ltp_py.ShareCore,
+        # compiled in kernels._ltp)
+        super().__init__(num_workers, busy_windows)
         self.owing = owing
         self.fair = fair
         self._x, self._k, self._others_at = 0.0, 0, None
-        self._read_bytes = self._other_bytes = 0.0      # cumulative, for ``others``
+        self._other_bytes = 0.0         # cumulative, for ``others`` (with ``_read_bytes``)
         self._combined = None           # (since, read bytes, others' bytes) of that sample
         # what ``others`` was told, for the server's report
         self.others_seen = {"looks": 0, "looks_with_flows": 0, "most_flows": 0,
                             "most_bytes_per_s": 0.0}
-        self._start = None              # the window: reads in (start, read]; None: no window
-        #                                 (waiting for a read that drains the socket)
-        self._read = None               # the time of the last read (its packets share it)
-        self._drained = True            # ... and whether it emptied the socket
-        self._bytes = 0
         self._samples = deque()         # (window end, bytes/s), oldest first
-        self._last = [None] * num_workers
-        # stamped arrivals (_arrival): who is sending, and the window's busy time
-        self._sending = [False] * num_workers
-        self._busy_workers = 0
-        self._busy = 0.0
-        self._train = None              # when the current busy time began
-        self._offset = None             # stamp clock - read clock, at the first stamp
-        self._phase = None              # the gain phase the busy time and bytes are of
         self._owing = [0] * num_workers      # open rounds each worker's push is owed to
         self.capacity = None
 
-    def on_packet(self, worker, nbytes, now, drained=True, arrival=None, end=False):
-        """A packet of ``nbytes`` from ``worker`` was read at ``now`` (the packets of one
-        batch read share their ``now``); ``drained``: that read emptied the socket (it returned
-        fewer datagrams than it could take); ``end``: it is an END (the worker has sent its
-        push whole).  A window runs from one read to a later one and
-        holds the bytes of the reads after its start: those arrived within it, provided the
-        read at its start drained the socket.  So a window starts only at a draining read: after
-        a read that left datagrams behind (a server behind its link), the next reads hold what
-        came before it, and counting that backlog measured how fast the server caught up, not
-        the link (issue #11: 72 MB/s of capacity on a 50 MB/s link, 13-17% of the packets
-        dropped by its queue with no random loss).  A batch read after a pause does not count
-        the pause's bytes in the next window either.
-
-        ``arrival``: the kernel's arrival time of the packet (SO_TIMESTAMPNS, another clock
-        than ``now``; None if there is none).  With it the windows are the link's own schedule,
-        whenever the server read them (``now`` still says when the worker was last active),
-        and they count only the link's busy time (``_arrival``)."""
-        self._last[worker] = now
-        self._read_bytes += nbytes
-        if arrival is not None:
-            if self.busy_windows:
-                self._arrival(worker, nbytes, arrival, now, end)
-                return
-            now, drained = arrival, True        # each packet its own read at its arrival
-            if self._read is not None and now < self._read:
-                # a clock step back (the realtime clock was set): start over from here
-                self._read, self._start, self._bytes = now, now, 0
-                return
-        if self._read is None:
-            self._read, self._drained = now, drained
-            self._start = now if drained else None
-            return
-        if now != self._read:           # the first packet of a new read
-            prev, prev_drained = self._read, self._drained
-            self._read, self._drained = now, drained
-            if self._start is not None and prev - self._start >= WINDOW:
-                span = prev - self._start
-                if span < 4 * WINDOW:   # a gap (nothing arrived) is not a rate sample
-                    self._add(prev, self._bytes / span)
-                self._start = None
-            if now - prev >= 4 * WINDOW:
-                # after a gap this read holds bytes that came at some time in it: a window
-                # may start here (if it drained), its bytes not counted
-                self._start, self._bytes = (now if drained else None), 0
-            elif self._start is None:
-                self._start, self._bytes = (prev if prev_drained else None), 0
-        elif not drained:
-            self._drained = False
-        if self._start is not None and now > self._start:
-            self._bytes += nbytes
-
-    def _arrival(self, worker, nbytes, t, now, end):
-        """A packet that arrived at ``t`` (the kernel's stamp), read at ``now``.
-
-        A rate sample is one phase of the grant's gain (a ``WINDOW`` of the read clock, which
-        ``t`` is mapped to by the offset between the clocks at the first stamp), over the link's
-        busy time in it: the time between consecutive arrivals while some worker was sending,
-        i.e. had a packet of its push here and not yet its END (and for at most ``IDLE_GAP``
-        without a packet: an END lost and being resent, a worker gone); a phase with less than
-        half a window of it gives no sample.
-        - Busy time, not all of it: the time after every worker's END until the next packet is
-          the link idle, not carrying less.  Counted, it made every window of a job of small
-          pushes a mix of both (rounds of 8 x 50 KB with the round trip between them: a
-          capacity of 75-92% of the link), and the grant cut from it made the next rounds
-          longer still (docs/bench/RESULTS.md).
-        - The first ``TRAIN_SKIP`` of a busy time does not count (its first packet was sent
-          before its stamp): a link idle for a while lets a burst through at once (a token
-          bucket full of tokens, a NIC's coalesced interrupt; the emulated switch's tbf:
-          10 kB), which counted made the capacity 3% more than the link could carry (50.0
-          MB/s where LTP's datagrams fill a 400 Mbit/s link at 48.6: 3% of the packets dropped
-          by the queue with no random loss).
-        - One sample per gain phase: random loss before the bottleneck delivers 1 - p of what
-          is sent, so only a probe phase's sample (1.15 (1 - p) of the capacity) can raise the
-          capacity when the link is not full; a window across phases averages the gains to 1
-          and the capacity sank to 65% of the link at 10% loss."""
-        sending = self._sending
-        prev, self._read = self._read, t
-        if self._offset is None or (prev is not None and t < prev):
-            # the first stamp, or a clock step back (the realtime clock was set): start over
-            self._offset, self._phase, self._busy, self._bytes = t - now, None, 0.0, 0
-            prev = None
-        busy = self._busy_workers > 0 and prev is not None and t - prev < IDLE_GAP
-        if not busy:
-            self._train = t
-        if end:
-            if sending[worker]:
-                sending[worker] = False
-                self._busy_workers -= 1
-        elif not sending[worker]:
-            sending[worker] = True
-            self._busy_workers += 1
-        phase = int((t - self._offset) / WINDOW)
-        if phase != self._phase:
-            if self._busy >= WINDOW / 2:
-                self._add(t, self._bytes / self._busy)
-            self._phase, self._busy, self._bytes = phase, 0.0, 0
-        if busy and t - self._train >= TRAIN_SKIP:
-            self._busy += t - prev
-            self._bytes += nbytes
+    # ``on_packet(worker, nbytes, now, drained=True, arrival=None, end=False)``, called for
+    # every packet, and the rate windows it keeps are ShareCore's (kernels.ltp_py documents
+    # them; kernels._ltp is the compiled twin); a finished window's rate comes to ``_add``.
 
     def _add(self, now, rate):
         samples = self._samples

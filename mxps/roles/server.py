@@ -107,7 +107,7 @@ class Server:
                               loss=lambda: self.ltp.loss,
                               reordered=(None if self.cfg.ltp_grace_always
                                          else lambda: self.ltp.reordered_at),
-                              share=self.ltp.share)
+                              share=self.ltp.share, fast=self.cfg.ltp_fast)
             log.info("server %d: LTP on udp %s:%d, %d payload bytes per packet (MTU %d)",
                      self.rank, host, self.ltp.port, self.ltp.budget, self.ltp.mtu)
         wsp = None
@@ -202,9 +202,11 @@ class Server:
 
     def _serve_packets(self):
         now = time.monotonic()
-        take = self.state.take_packet
+        state = self.state
+        take = state.take_packet
         for _ in range(BATCH):
-            got = self.ltp.receive(take, now)
+            got = self.ltp.receive(take, now, state.ltp_fast, state.plan_version,
+                                   state.fast_taken)
             self._send(self.state.outs())      # what the batch's packets closed
             if not got:
                 break

@@ -305,11 +305,12 @@ class LtpSettings:
     adaptive), the deadline (-1: adaptive, 0: none), the grace after the last END, the packet
     payload budget, ``loss()``: each worker path's measured loss rate, ``reordered()``:
     when a packet last came out of order (``close.grace_for``; None: the grace always
-    holds), and ``share``: the receiver's grant (``ltp.share.Share``), told which workers
-    owe an open round their push."""
+    holds), ``share``: the receiver's grant (``ltp.share.Share``), told which workers
+    owe an open round their push, and ``fast``: whether the receiver adds the packets that need
+    nothing else into their rounds itself (``ServerState.ltp_fast``)."""
 
     def __init__(self, budget, fill="rescale", ratio=0.0, deadline=-1.0, grace=0.002, z=1.0,
-                 floor=0.8, loss=None, reordered=None, share=None):
+                 floor=0.8, loss=None, reordered=None, share=None, fast=True):
         if fill not in ltp_rounds.FILLS:
             raise ValueError("unknown filling %r" % fill)
         self.budget = budget
@@ -323,6 +324,9 @@ class LtpSettings:
         self.reordered = reordered or (lambda: None)
         # the grant's account of who owes an open round its push (ltp.share.Share), or none
         self.share = share or _NoShare()
+        # whether the receiver may add a packet that needs nothing else into its open round
+        # itself (ServerState.ltp_fast; MXPS_LTP_FAST, for ablations)
+        self.fast = fast
 
 
 class _Slot:
@@ -545,6 +549,11 @@ class ServerState:
         if trace is not None:
             self._trace, self._trace_plan = trace.rows["data"], trace.rows["plan"]
             self._now = trace.clock
+        # MXPS_PUSH=ltp: the open LTP rounds, (key, offset, round) -> LtpRound, into which the
+        # receiver adds the DATA packets that need nothing else (ltp.receiver.Receiver.receive,
+        # kernels.ltp.intake); None: every packet comes through take_packet (no LTP, or a
+        # trace, which records every packet)
+        self.ltp_fast = {} if ltp is not None and ltp.fast and self._trace is None else None
 
     def _data_row(self, kind, slot, rnd, worker, nbytes, request=-1):
         self._trace.append((kind, self._now(), rnd, slot.key, slot.offset, slot.length, worker,
@@ -1201,6 +1210,20 @@ class ServerState:
         self.take_packet(f, payload, now)
         return self._flush()
 
+    def fast_taken(self, now):
+        """The receiver added packets into ``ltp_fast``'s rounds at ``now`` (as ``take_packet``
+        would have: the time of the last packet)."""
+        self._ltp_now = now
+
+    def _unfast(self):
+        """No packet goes into an open round past ``take_packet`` any more (the plan or the
+        slices changed); the rounds that stay open come back as their next packets do."""
+        fast = self.ltp_fast
+        if fast:
+            for lt in fast.values():
+                lt.live = False
+            fast.clear()
+
     def take_packet(self, f, payload, now):
         """``on_packet`` without handing back the ``Out``s: a server that reads its packets in
         batches calls ``outs()`` once after each batch, not a flush and a send per packet
@@ -1271,6 +1294,10 @@ class ServerState:
             lowest = st.ratio if st.ratio > 0 else st.floor
             rnd.ltp = ltp_rounds.LtpRound(rnd.acc, epp, self.num_workers, slot.dtype_code,
                                           lowest)
+            if self.ltp_fast is not None:
+                rnd.ltp.plan_version = self.plan_version
+                rnd.ltp.live = True
+                self.ltp_fast[(slot.key, slot.offset, r)] = rnd.ltp
             st.share.opened(w for w in range(self.num_workers) if w not in rnd.senders)
             for w in rnd.senders:      # whole pushes (TCP) already in the sum
                 rnd.ltp.seen[w] = bytearray(b"\x01") * rnd.ltp.n
@@ -1331,6 +1358,9 @@ class ServerState:
                 heapq.heappush(self._wakes, (wake, slot.key, slot.offset, r))
             return
         rnd.closed = True
+        if lt.live:
+            lt.live = False
+            self.ltp_fast.pop((slot.key, slot.offset, r), None)
         for w in range(lt.workers):
             if lt.ends[w] is None:          # its END did not come: it owes the round no more
                 st.share.settled(w)
@@ -1476,6 +1506,7 @@ class ServerState:
         all of its parts are here; then tell the scheduler."""
         mig = self.migration = _Migration(version)
         self.plan_version = version
+        self._unfast()
         parts = []                         # (destination server, part)
         for key, slices in new.items():
             before = tuple(old.get(key) or ())
@@ -1534,6 +1565,7 @@ class ServerState:
 
     def _drop(self, slot):
         self.slots.pop((slot.key, slot.offset), None)
+        self._unfast()
         if self.updater is not None:
             self.updater.states.pop(slot.index, None)
             self.updater.states_synced.pop(slot.index, None)
@@ -1629,6 +1661,7 @@ class ServerState:
                 _counts(opt)[slot.index] = max(counts)
                 opt.num_update = max(opt.num_update, max(counts))
         self.slots[target] = slot
+        self._unfast()
         if self._trace is not None:
             self._plan_row("slice_built", mig.version, key, want.offset, want.length,
                            nbytes=value.nbytes)
