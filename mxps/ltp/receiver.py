@@ -62,7 +62,11 @@ SLOT = pk.MAX_DATAGRAM + 64     # a ring slot holds any UDP datagram whole
 # a path's loss blocks and the orders _Path.note tells (kernels.ltp_py.PathCore)
 BLOCK, LOSS_WEIGHT = ltp_py.BLOCK, ltp_py.LOSS_WEIGHT
 IN_ORDER, REORDERED, IN_HOST = ltp_py.IN_ORDER, ltp_py.REORDERED, ltp_py.IN_HOST
-T_PACKETS, T_BYTES, T_OUT_OF_ORDER, T_IN_HOST, T_REORDERED, T_FAST = range(6)   # intake's tally
+# intake's tally of a batch
+T_PACKETS, T_BYTES, T_OUT_OF_ORDER, T_IN_HOST, T_REORDERED, T_FAST = (
+    ltp_py.T_PACKETS, ltp_py.T_BYTES, ltp_py.T_OUT_OF_ORDER, ltp_py.T_IN_HOST, ltp_py.T_REORDERED,
+    ltp_py.T_FAST)
+_NO_TALLY = (0,) * 6
 
 
 def interface_mtu(host):
@@ -150,8 +154,7 @@ class Receiver:
         self._view = memoryview(self._ring)
         # per batch: the workers to ACK, and what its packets added up to (intake's tally)
         self._touched = [False] * num_workers
-        self._zero_tally = [0] * 6
-        self._tally = list(self._zero_tally)
+        self._tally = list(_NO_TALLY)
 
     @property
     def loss(self):
@@ -203,15 +206,13 @@ class Receiver:
         # packet's arrival stamp (share.on_packet)
         drained = len(got) < BATCH
         i, n = 0, len(got)
-        while i < n:
+        while True:
             # every packet as far as it needs nothing of the server: opened, noted, counted for
             # the grant and the ACKs, and added into its round if that is all it takes
             i, opened = intake(view, SLOT, got, stamps, i, now, drained, self._open,
                                self.paths, self.share, _itemsize, touched, tally, fast,
                                plan_version)
-            if i == n:
-                break
-            if opened is None:         # refused: the reference checks say why (or take it)
+            if i < n and opened is None:    # refused: the reference checks say why (or take it)
                 size, addr = got[i]
                 opened = self._one(view[i * SLOT:i * SLOT + size], addr)
                 if opened is not None:
@@ -221,11 +222,11 @@ class Receiver:
             if tally[T_REORDERED]:     # rare: rounds then wait a grace after their ENDs
                 tally[T_REORDERED] = 0
                 self.reordered_at = now
+            if i == n:
+                break
             if opened is not None:
                 handle(opened[0], opened[1], now)
             i += 1
-        if tally[T_REORDERED]:
-            self.reordered_at = now
         if tally[T_PACKETS]:
             self._now = now
             counts = self.counts
@@ -236,7 +237,7 @@ class Receiver:
             counts["fast"] += tally[T_FAST]
             if tally[T_FAST] and on_fast is not None:
                 on_fast(now)
-        tally[:] = self._zero_tally
+        tally[:] = _NO_TALLY
         if self._foreign is not None and (self._others_at is None
                                           or now - self._others_at >= OTHERS_PERIOD):
             self._others_at = now
