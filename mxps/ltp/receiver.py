@@ -16,8 +16,8 @@ counts its arrival (``share.Share.on_packet``), its number waits for the batch's
 DATA packet that needs nothing but its add into an open round of the server (``ServerState``'s
 ``ltp_fast``) is added there; the others come back here, one at a time, for the server's
 ``take_packet``.  Measured (scripts/ltp_intake_cpu.py, 8 workers, MTU 1500, 5% of the packets
-lost): 85% of the packets take that path, and a datagram costs 5.6 us of the server's CPU
-against 7.1 us with every packet through ``take_packet`` (``MXPS_LTP_FAST=0``).  A datagram
+lost): 85% of the packets take that path, and a datagram costs 5.3 us of the server's CPU
+against 7.0 us with every packet through ``take_packet`` (``MXPS_LTP_FAST=0``).  A datagram
 that fails the checks goes through the reference checks here (``_one``), which count and log
 why.
 
