@@ -855,6 +855,8 @@ cdef class ShareCore:
         self._phase_v = v if v is not None else 0
 
     def on_packet(self, worker, nbytes, now, drained=True, arrival=None, end=False):
+        if not 0 <= worker < self.n:          # (this module indexes lists unchecked)
+            _twin.check_worker(worker, self.n)
         self._on_packet(worker, nbytes, now, drained, _unopt(arrival), end)
 
     cdef int _on_packet(self, Py_ssize_t worker, int64_t nbytes, object now, bint drained,
@@ -1018,6 +1020,8 @@ cdef class RoundCore:
             self.first = now
 
     def add(self, worker, seq, count, payload, now):
+        if not 0 <= worker < self.workers:
+            _twin.check_worker(worker, self.workers)
         seen = self.seen[worker]
         if seen is None:
             seen = bytearray(self.n)
@@ -1064,6 +1068,8 @@ cdef int _fold(list tally, int64_t *t) except -1:
 def take_common(worker, pn, end, nbytes, stamp, now, drained, list paths, ShareCore share,
                 list touched, list tally):
     """The twin's ``take_common``."""
+    if not 0 <= worker < min(len(paths), len(touched)):
+        _twin.check_worker(worker, min(len(paths), len(touched)))
     cdef int64_t t[_NTALLY]
     memset(t, 0, sizeof(t))
     _take_common(worker, pn, end, nbytes, _unopt(stamp), now, drained, paths, share, touched,

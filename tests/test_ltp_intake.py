@@ -264,3 +264,19 @@ def test_a_server_adding_packets_in_its_receiver_ends_every_round_as_take_packet
             srv.rx.close()
         for s in socks:
             s.close()
+
+
+@pytest.mark.parametrize("mod", [_ltp, ltp_py], ids=["cython", "python"])
+@pytest.mark.parametrize("worker", [-1, 3, 2 ** 40])
+def test_a_worker_out_of_range_is_refused_by_name_on_either(mod, worker):
+    share = recording(mod.ShareCore)(3, True)
+    with pytest.raises(IndexError, match="not one of the 3 workers"):
+        share.on_packet(worker, 100, 1.0, True, 1.0, False)
+    rnd = mod.RoundCore(np.zeros(8, np.float32), 4, 3, F32)
+    with pytest.raises(IndexError, match="not one of the 3 workers"):
+        rnd.add(worker, 0, 4, np.ones(4, np.float32).tobytes(), 1.0)
+    paths = [mod.PathCore(("h", 1), None) for _ in range(3)]
+    with pytest.raises(IndexError, match="not one of the 3 workers"):
+        mod.take_common(worker, 1, False, 100, None, 1.0, True, paths, share, [False] * 3,
+                        [0] * 6)
+    assert share._last == [None] * 3 and rnd.seen == [None] * 3 and not any(p.acks for p in paths)

@@ -338,6 +338,12 @@ encode_acks = pk.encode_acks
 T_PACKETS, T_BYTES, T_OUT_OF_ORDER, T_IN_HOST, T_REORDERED, T_FAST = range(6)
 
 
+def check_worker(worker, n):
+    """``worker`` must index one of ``n`` workers (a negative index is not one)."""
+    if not 0 <= worker < n:
+        raise IndexError("worker %r is not one of the %d workers" % (worker, n))
+
+
 class PathCore:
     """One worker's path into a server: its registered address and ``packet.Tagger``, the
     packet numbers to ACK after the batch (``acks``), and what its packet numbers say (``note``):
@@ -436,6 +442,7 @@ class ShareCore:
         than ``now``; None if there is none).  With it the windows are the link's own schedule,
         whenever the server read them (``now`` still says when the worker was last active),
         and they count only the link's busy time (``_arrival``)."""
+        check_worker(worker, self.n)
         self._last[worker] = now
         self._read_bytes += nbytes
         if arrival is not None:
@@ -561,6 +568,7 @@ class RoundCore:
         """Add DATA packet ``seq`` of ``worker``.  Returns False for a duplicate (nothing
         changes); raises ValueError for a packet that does not fit the slice.  The check, the
         scatter-add and the counting are one ``round_add``."""
+        check_worker(worker, self.workers)
         seen = self.seen[worker]
         if seen is None:                # kept only once a packet was added
             seen = bytearray(self.n)
@@ -582,6 +590,7 @@ def take_common(worker, pn, end, nbytes, stamp, now, drained, paths, share, touc
     """What the server does with every verified packet before it looks at its round: the path
     notes its number (order, loss) and will ACK it, the grant counts its arrival, and the
     batch's ``tally`` counts it (``T_*``; ``touched[worker]``: the worker gets an ACK)."""
+    check_worker(worker, min(len(paths), len(touched)))
     path = paths[worker]
     order = path.note(pn, stamp)
     if order == REORDERED:
