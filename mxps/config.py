@@ -86,6 +86,7 @@ class Config:
     ltp_busy_windows: bool = True   # the grant's capacity over the link's busy time (ltp.share)
     ltp_owing: bool = True          # the grant shared by the workers that owe an open round
     ltp_fair: bool = True           # the grant leaves other processes' TCP flows their share
+    ltp_probe_loss: bool = True     # the grant's probe makes up for the workers' loss
     ltp_fast: bool = True           # the server adds most packets in C (kernels.ltp.intake)
     # test-only fault injection (docs/SETTINGS.md): pause at ``fault_point`` for
     # ``fault_hold`` seconds after announcing it in ``fault_dir`` (see roles.link.fault_point)
@@ -242,6 +243,7 @@ def _ltp(env):
                 ltp_busy_windows=_bool(env, "MXPS_LTP_BUSY_WINDOWS", True),
                 ltp_owing=_bool(env, "MXPS_LTP_OWING", True),
                 ltp_fair=_bool(env, "MXPS_LTP_FAIR", True),
+                ltp_probe_loss=_bool(env, "MXPS_LTP_PROBE_LOSS", True),
                 ltp_fast=_bool(env, "MXPS_LTP_FAST", True))
 
 

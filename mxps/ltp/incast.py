@@ -165,7 +165,8 @@ class LtpReceiver:
                 self.receiver = Receiver(host, self.spec.senders, self.spec.mtu,
                                          busy_windows=_SETTINGS["ltp_busy_windows"],
                                          owing=_SETTINGS["ltp_owing"],
-                                         fair=_SETTINGS["ltp_fair"])
+                                         fair=_SETTINGS["ltp_fair"],
+                                         probe_loss=_SETTINGS["ltp_probe_loss"])
             _send_blob(conn, self.receiver.hello(int(body["sender"]),
                                                  json.dumps(body["hello"]).encode()))
             conn.close()

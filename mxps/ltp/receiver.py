@@ -117,7 +117,8 @@ class _Path(PathCore):
 class Receiver:
     """The UDP socket of server ``rank`` and the registered paths of its workers."""
 
-    def __init__(self, host, num_workers, mtu=0, busy_windows=True, owing=True, fair=True):
+    def __init__(self, host, num_workers, mtu=0, busy_windows=True, owing=True, fair=True,
+                 probe_loss=True):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.rcvbuf = big_buffer(self.sock, socket.SO_RCVBUF,
                                  SO_RCVBUFFORCE, RCVBUF)
@@ -129,7 +130,8 @@ class Receiver:
         self.budget = pk.payload_budget(self.mtu)
         self.paths = [None] * num_workers
         # the ACKs' rate grant (ltp.share)
-        self.share = Share(num_workers, busy_windows=busy_windows, owing=owing, fair=fair)
+        self.share = Share(num_workers, busy_windows=busy_windows, owing=owing, fair=fair,
+                           probe_loss=probe_loss)
         # other processes' TCP traffic into this host, which the grant leaves its share
         self._foreign = ForeignTcp(host) if fair else None
         self._others_at = None
@@ -245,7 +247,7 @@ class Receiver:
             if seen is not None:
                 self.share.others(now, *seen)
         if True in touched:
-            self._send_acks(self.share.grants(self._now))
+            self._send_acks(self.share.grants(self._now, self.loss))
         return n
 
     def _one(self, dgram, addr):
