@@ -498,9 +498,10 @@ class ShareCore:
           MB/s where LTP's datagrams fill a 400 Mbit/s link at 48.6: 3% of the packets dropped
           by the queue with no random loss).
         - One sample per gain phase: random loss before the bottleneck delivers 1 - p of what
-          is sent, so only a probe phase's sample (1.15 (1 - p) of the capacity) can raise the
-          capacity when the link is not full; a window across phases averages the gains to 1
-          and the capacity sank to 65% of the link at 10% loss."""
+          is sent, so only a probe phase's sample can raise the capacity when the link is not
+          full (1.15 of it: the probe sends 1 / (1 - p) more, ``share.probe_gain``); a window
+          across phases averages the gains to 1 and the capacity sank to 65% of the link at
+          10% loss."""
         sending = self._sending
         prev, self._read = self._read, t
         if self._offset is None or (prev is not None and t < prev):

@@ -212,7 +212,7 @@ class Share(ShareCore):
         it: at 10% random loss 3.5% more per probe, from 13% none, and a capacity that began
         low stayed low (measured: the push alone, 8 x 50 KB at 10% loss, a capacity that began
         at 24 MB/s of a 48.6 MB/s link took ~300 rounds to find it, the first 50 rounds
-        at 1.9x their time)."""
+        taking 1.6-1.8x the later ones)."""
         if self.capacity is None:
             return 0.0, 0.0
         active = owing = 0
