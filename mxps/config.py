@@ -87,6 +87,7 @@ class Config:
     ltp_owing: bool = True          # the grant shared by the workers that owe an open round
     ltp_fair: bool = True           # the grant leaves other processes' TCP flows their share
     ltp_probe_loss: bool = True     # the grant's probe makes up for the workers' loss
+    ltp_startup: bool = True        # the grant's capacity starts as BBR's STARTUP (ltp.share)
     ltp_fast: bool = True           # the server adds most packets in C (kernels.ltp.intake)
     # test-only fault injection (docs/SETTINGS.md): pause at ``fault_point`` for
     # ``fault_hold`` seconds after announcing it in ``fault_dir`` (see roles.link.fault_point)
@@ -244,6 +245,7 @@ def _ltp(env):
                 ltp_owing=_bool(env, "MXPS_LTP_OWING", True),
                 ltp_fair=_bool(env, "MXPS_LTP_FAIR", True),
                 ltp_probe_loss=_bool(env, "MXPS_LTP_PROBE_LOSS", True),
+                ltp_startup=_bool(env, "MXPS_LTP_STARTUP", True),
                 ltp_fast=_bool(env, "MXPS_LTP_FAST", True))
 
 

@@ -1285,18 +1285,19 @@ def test_the_ablation_settings_of_the_grace_end_copies_and_grant_parse_and_refus
             "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "MXPS_PUSH": "ltp"}
     cfg = config.from_env(base)
     assert (cfg.ltp_grace_always, cfg.ltp_end_copies, cfg.ltp_busy_windows, cfg.ltp_owing,
-            cfg.ltp_fair, cfg.ltp_end_rto, cfg.ltp_probe_loss) == (False, 4, True, True, True,
-                                                                   "rtt", True)
+            cfg.ltp_fair, cfg.ltp_end_rto, cfg.ltp_probe_loss, cfg.ltp_startup) == (
+                False, 4, True, True, True, "rtt", True, True)
     cfg = config.from_env(dict(base, MXPS_LTP_GRACE_ALWAYS="1", MXPS_LTP_END_COPIES="1",
                                MXPS_LTP_BUSY_WINDOWS="0", MXPS_LTP_OWING="0", MXPS_LTP_FAIR="0",
-                               MXPS_LTP_END_RTO="MIN_RTT", MXPS_LTP_PROBE_LOSS="0"))
+                               MXPS_LTP_END_RTO="MIN_RTT", MXPS_LTP_PROBE_LOSS="0",
+                               MXPS_LTP_STARTUP="0"))
     assert (cfg.ltp_grace_always, cfg.ltp_end_copies, cfg.ltp_busy_windows, cfg.ltp_owing,
-            cfg.ltp_fair, cfg.ltp_end_rto, cfg.ltp_probe_loss) == (True, 1, False, False, False,
-                                                                   "min_rtt", False)
+            cfg.ltp_fair, cfg.ltp_end_rto, cfg.ltp_probe_loss, cfg.ltp_startup) == (
+                True, 1, False, False, False, "min_rtt", False, False)
     for name, bad in (("MXPS_LTP_END_COPIES", "0"), ("MXPS_LTP_END_COPIES", "two"),
                       ("MXPS_LTP_END_RTO", "srtt"),
                       ("MXPS_LTP_OWING", "maybe"), ("MXPS_LTP_BUSY_WINDOWS", "2"),
-                      ("MXPS_LTP_PROBE_LOSS", "2")):
+                      ("MXPS_LTP_PROBE_LOSS", "2"), ("MXPS_LTP_STARTUP", "yes please")):
         with pytest.raises(config.ConfigError, match=name):
             config.from_env(dict(base, **{name: bad}))
 

@@ -394,6 +394,87 @@ def test_with_random_loss_small_rounds_find_the_link_and_last_about_their_bytes_
     assert dropped < 0.03
 
 
+def _low_start(s, rate=5e6, seconds=0.04, clock=1.7e9, nbytes=1472):
+    """The first phases as in a slow start: all 8 workers sending, ``rate`` bytes/s arriving
+    (a few had begun, or a round's tail); the time at the end."""
+    t = 0.0
+    while t < seconds:
+        for w in range(8):
+            s.on_packet(w, nbytes, t, True, clock + t)
+            t += nbytes / rate
+    return t
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.1])
+def test_from_a_low_start_the_startup_finds_the_link_within_the_first_rounds(loss):
+    # measured (the push alone, 8 x 50 KB): a capacity that began at a quarter of the link
+    # held the first 50 rounds at 1.6-1.8x their ideal; the 1.15 probe raised it 15% per two
+    # probes, the startup doubles it per probe until a probe no longer grows it
+    link, message = 50e6, 51200
+    ideal = 8 * message / link
+    firsts = {}
+    for startup in (True, False):
+        s = Share(8, startup=startup)
+        end = _low_start(s)
+        assert s.capacity == pytest.approx(5e6, rel=0.1) and s.starting == startup
+        times, dropped = _rounds_loop(s, range(8), link, 60, message, loss=loss,
+                                      clock=1.7e9 + end + 1.0)
+        firsts[startup] = sum(times[:20]) / 20 / ideal, s.capacity
+        assert not s.starting                   # ended: a probe on the full link did not grow
+        # its cost: STARTUP_ROUNDS probes at twice the full link, in 60 rounds
+        assert dropped < 0.03
+    assert firsts[True][0] <= 1.7 < 3.0 <= firsts[False][0]
+    assert firsts[True][1] >= 0.95 * link
+
+
+def test_the_startup_ends_after_probes_that_do_not_grow_the_capacity():
+    s = Share(1)
+    assert s.starting
+    t, clock, probes, ends = 0.0, 1.7e9, [], []
+    while t < 1.0:                              # one sender filling a 50 MB/s link
+        was = s.starting
+        s.on_packet(0, 9000, t, True, clock + t)
+        if was and not s.starting:
+            ends.append(t)
+        if share.gain(t) > 1 and s.capacity:
+            probes.append((s.starting, s.grant(t) / s.capacity))
+        t += 9000 / 50e6
+    # the probe phases in the startup were granted STARTUP_GAIN x the capacity; the first probe
+    # sample came before there was a capacity, the 2nd set what a growth is measured from, and
+    # the next STARTUP_ROUNDS on the full link did not grow it: the startup ended at the end of
+    # the (STARTUP_ROUNDS + 2)-th probe phase, once, and the probe went back to 1.15
+    cycle = share.WINDOW * len(share.GAINS)
+    assert len(ends) == 1 and ends[0] == pytest.approx((share.STARTUP_ROUNDS + 1) * cycle
+                                                       + share.WINDOW, abs=0.001)
+    assert {round(g, 9) for on, g in probes if on} == {share.STARTUP_GAIN}
+    assert {round(g, 9) for on, g in probes if not on} == {max(share.GAINS)}
+    assert s.capacity == pytest.approx(50e6, rel=0.03)
+
+
+def test_a_probe_that_grows_the_capacity_keeps_the_startup_on():
+    s = Share(1)
+    t, clock, rate = 0.0, 1.7e9, 2e6
+    while t < 0.5:          # what arrives doubles every probe cycle: a link not yet found
+        s.on_packet(0, 1472, t, True, clock + t)
+        t += 1472 / rate
+        if int(t / (share.WINDOW * len(share.GAINS))) != int((t - 1472 / rate)
+                                                            / (share.WINDOW * len(share.GAINS))):
+            rate *= 2
+            if rate > 200e6:
+                break
+        assert s.starting
+    assert s.capacity > 50e6
+
+
+def test_without_arrival_stamps_there_is_no_startup():
+    # read-time windows are not the gain phases: nothing to tell a probe's sample by
+    s = Share(4)
+    end = _feed(s, range(4), 50e6 / 4, 0.3)
+    assert not s.starting
+    t = end + len(share.GAINS) * share.WINDOW - end % (len(share.GAINS) * share.WINDOW) + 0.001
+    assert s.grant(t) == pytest.approx(max(share.GAINS) * s.capacity / 4, rel=1e-9)
+
+
 def test_the_workers_that_still_owe_a_round_share_the_link_and_a_new_push_starts_at_an_equal_share():
     s = Share(4)
     end = _feed(s, range(4), 50e6 / 4, 0.3)         # read-time windows: a capacity

@@ -166,7 +166,8 @@ class LtpReceiver:
                                          busy_windows=_SETTINGS["ltp_busy_windows"],
                                          owing=_SETTINGS["ltp_owing"],
                                          fair=_SETTINGS["ltp_fair"],
-                                         probe_loss=_SETTINGS["ltp_probe_loss"])
+                                         probe_loss=_SETTINGS["ltp_probe_loss"],
+                                         startup=_SETTINGS["ltp_startup"])
             _send_blob(conn, self.receiver.hello(int(body["sender"]),
                                                  json.dumps(body["hello"]).encode()))
             conn.close()

@@ -118,7 +118,7 @@ class Receiver:
     """The UDP socket of server ``rank`` and the registered paths of its workers."""
 
     def __init__(self, host, num_workers, mtu=0, busy_windows=True, owing=True, fair=True,
-                 probe_loss=True):
+                 probe_loss=True, startup=True):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.rcvbuf = big_buffer(self.sock, socket.SO_RCVBUF,
                                  SO_RCVBUFFORCE, RCVBUF)
@@ -131,7 +131,7 @@ class Receiver:
         self.paths = [None] * num_workers
         # the ACKs' rate grant (ltp.share)
         self.share = Share(num_workers, busy_windows=busy_windows, owing=owing, fair=fair,
-                           probe_loss=probe_loss)
+                           probe_loss=probe_loss, startup=startup)
         # other processes' TCP traffic into this host, which the grant leaves its share
         self._foreign = ForeignTcp(host) if fair else None
         self._others_at = None

@@ -75,6 +75,9 @@ TRAIN_SKIP = ltp_py.TRAIN_SKIP  # seconds at the start of a busy time not counte
 GAINS = (1.15, 0.85, 1.0, 1.0)   # the grant's gain over an exact share, one WINDOW each, in turn
 #                        (the same phase for every worker: the sum of their rates probes)
 MAX_PROBE_LOSS = 0.5    # the probe makes up for at most this loss (its gain at most 2.3)
+STARTUP_GAIN = 2.0      # the probe's gain while the capacity still grows (``Share``'s startup)
+STARTUP_GROWTH = 1.25   # ... i.e. until the capacity has not grown by this factor ...
+STARTUP_ROUNDS = 3      # ... over this many probe phases in a row (BBR's full-pipe check)
 
 
 def kth_highest(rates, k=RANK):
@@ -108,15 +111,19 @@ class Share(ShareCore):
     open round (False: by all active workers); ``fair``: the grant leaves other processes'
     TCP flows into this host their share (``others``; False: it does not look);
     ``probe_loss``: the probe phase makes up for the workers' measured loss (``probe_gain``;
-    False: it does not, as before issue #11's session 23)."""
+    False: it does not, as before issue #11's session 23); ``startup``: the capacity's start
+    (``_add``; False: none, as before issue #11's session 24)."""
 
-    def __init__(self, num_workers, busy_windows=True, owing=True, fair=True, probe_loss=True):
+    def __init__(self, num_workers, busy_windows=True, owing=True, fair=True, probe_loss=True,
+                 startup=True):
         # the arrival side (on_packet, the windows, the bytes read; kernels.ltp_py.ShareCore,
         # compiled in kernels._ltp)
         super().__init__(num_workers, busy_windows)
         self.owing = owing
         self.fair = fair
         self.probe_loss = probe_loss
+        self.starting = startup         # in the startup (``_add``) ...
+        self._full, self._flat = None, 0  # ... its capacity at the last growth, probes since
         self._x, self._k, self._others_at = 0.0, 0, None
         self._other_bytes = 0.0         # cumulative, for ``others`` (with ``_read_bytes``)
         self._combined = None           # (since, read bytes, others' bytes) of that sample
@@ -132,11 +139,42 @@ class Share(ShareCore):
     # them; kernels._ltp is the compiled twin); a finished window's rate comes to ``_add``.
 
     def _add(self, now, rate):
+        """A gain phase's sample (``_phase`` the phase; None: read-time windows, no phases).
+
+        The startup: the job's first samples come from phases in which a few workers had
+        begun, or whose busy time held a round's tail, and the capacity (the grant) began far
+        under the link (the push alone, 8 x 50 KB at 10% loss: 11-44 MB/s of 48.6 over 14
+        traced runs, docs/bench/RESULTS.md); from there a probe at 1.15 raises it 15% per two
+        probes (80 ms of busy time), and the first 50 rounds took 1.6-1.8x the later ones.  So,
+        as BBR's STARTUP, until ``STARTUP_ROUNDS`` probe phases in a row have not raised the
+        capacity ``STARTUP_GROWTH``-fold, the probe's gain is ``STARTUP_GAIN`` and the
+        capacity is the highest sample (a low first sample does not hold it down): a capacity
+        that started at a tenth of the link finds it in four probes.  Several probes, not one
+        (measured: a single probe's sample ended it at 35 MB/s of a 48.6 link, a phase's
+        busy time holding the ends and starts of rounds).  The capacity counts only what
+        arrived, so it never exceeds the link; what the startup costs is ``STARTUP_ROUNDS``
+        probes at twice a full link (10 ms each, the queue's drops); on probes the workers
+        had not enough to fill (a job's first pushes) it ends as well, leaving the 1.15 probe
+        to climb as before.  Without arrival stamps there are no phases: no startup."""
+        if self.starting:
+            phase = self._phase
+            if phase is None:
+                self.starting = False
+            elif self.capacity is not None and GAINS[phase % len(GAINS)] > 1:
+                top = max(self.capacity, rate)      # the capacity with this probe's sample
+                if self._full is None or top >= STARTUP_GROWTH * self._full:
+                    self._full, self._flat = top, 0
+                else:
+                    self._flat += 1
+                    self.starting = self._flat < STARTUP_ROUNDS
+        self._sample(now, rate)
+
+    def _sample(self, now, rate):
         samples = self._samples
         samples.append((now, rate))
         while samples[0][0] < now - HORIZON:
             samples.popleft()
-        self.capacity = kth_highest([r for _, r in samples])
+        self.capacity = kth_highest([r for _, r in samples], 1 if self.starting else RANK)
 
     def others(self, now, rate, flows):
         """Other processes' TCP flows into this host received ``rate`` bytes/s over ``flows``
@@ -163,7 +201,7 @@ class Share(ShareCore):
         start = self._combined
         if flows and start is not None and now - start[0] >= COMBINED:
             total = (self._read_bytes - start[1]) + (self._other_bytes - start[2])
-            self._add(now + (self._offset or 0.0), total / (now - start[0]))
+            self._sample(now + (self._offset or 0.0), total / (now - start[0]))
             start = None
         if start is None or not flows:
             self._combined = (now, self._read_bytes, self._other_bytes)
@@ -231,6 +269,8 @@ class Share(ShareCore):
         if k:           # others' TCP flows: their share, or what they take and a headroom
             capacity = max(capacity * active / (active + k), capacity * (1 - HEADROOM) - x)
         g = gain(now)
+        if self.starting and g > 1:
+            g = STARTUP_GAIN
         if self.probe_loss and lost:
             g = probe_gain(g, lost / active)
         g *= capacity

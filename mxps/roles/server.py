@@ -102,7 +102,8 @@ class Server:
             self.ltp = Receiver(host, self.num_workers, self.cfg.ltp_mtu,
                                 busy_windows=self.cfg.ltp_busy_windows,
                                 owing=self.cfg.ltp_owing, fair=self.cfg.ltp_fair,
-                                probe_loss=self.cfg.ltp_probe_loss)
+                                probe_loss=self.cfg.ltp_probe_loss,
+                                startup=self.cfg.ltp_startup)
             ltp = LtpSettings(self.ltp.budget, self.cfg.ltp_fill, self.cfg.ltp_ratio,
                               self.cfg.ltp_deadline, self.cfg.ltp_grace,
                               loss=lambda: self.ltp.loss,
