@@ -75,9 +75,10 @@ TRAIN_SKIP = ltp_py.TRAIN_SKIP  # seconds at the start of a busy time not counte
 GAINS = (1.15, 0.85, 1.0, 1.0)   # the grant's gain over an exact share, one WINDOW each, in turn
 #                        (the same phase for every worker: the sum of their rates probes)
 MAX_PROBE_LOSS = 0.5    # the probe makes up for at most this loss (its gain at most 2.3)
-STARTUP_GAIN = 2.0      # the probe's gain while the capacity still grows (``Share``'s startup)
+STARTUP_GAIN = 2.0      # the grant's gain while the capacity still grows (``Share``'s startup)
 STARTUP_GROWTH = 1.25   # ... i.e. until the capacity has not grown by this factor ...
-STARTUP_ROUNDS = 3      # ... over this many probe phases in a row (BBR's full-pipe check)
+STARTUP_ROUNDS = 3      # ... over this many samples in a row (BBR's full-pipe check) ...
+STARTUP_FULL = 0.8      # ... of those that carried this much of the capacity at least
 
 
 def kth_highest(rates, k=RANK):
@@ -146,25 +147,32 @@ class Share(ShareCore):
         under the link (the push alone, 8 x 50 KB at 10% loss: 11-44 MB/s of 48.6 over 14
         traced runs, docs/bench/RESULTS.md); from there a probe at 1.15 raises it 15% per two
         probes (80 ms of busy time), and the first 50 rounds took 1.6-1.8x the later ones.  So,
-        as BBR's STARTUP, until ``STARTUP_ROUNDS`` probe phases in a row have not raised the
-        capacity ``STARTUP_GROWTH``-fold, the probe's gain is ``STARTUP_GAIN`` and the
+        as BBR's STARTUP, until ``STARTUP_ROUNDS`` samples in a row have not raised the capacity
+        ``STARTUP_GROWTH``-fold, the grant's gain is ``STARTUP_GAIN`` in every phase and the
         capacity is the highest sample (a low first sample does not hold it down): a capacity
-        that started at a tenth of the link finds it in four probes.  Several probes, not one
-        (measured: a single probe's sample ended it at 35 MB/s of a 48.6 link, a phase's
-        busy time holding the ends and starts of rounds).  The capacity counts only what
-        arrived, so it never exceeds the link; what the startup costs is ``STARTUP_ROUNDS``
-        probes at twice a full link (10 ms each, the queue's drops); on probes the workers
-        had not enough to fill (a job's first pushes) it ends as well, leaving the 1.15 probe
-        to climb as before.  Without arrival stamps there are no phases: no startup."""
+        that started at a tenth of the link finds it in four phases.  Every phase, not the
+        probe's alone (measured: probe phases without a sample, too little busy time in them,
+        left a capacity at a third of the link for 150 ms); several samples, not one (a single
+        probe's ended it at 35 MB/s of a 48.6 link: a phase's busy time holds the ends and
+        starts of rounds).  A sample under ``STARTUP_FULL`` of the capacity neither grows it
+        nor counts as flat: its phase did not use its grant (a worker done or late, the
+        resent END of a lost one awaited: measured, a phase of busy time with next to no
+        bytes ended a startup at 70% of the link), so it says nothing of a full link, as
+        BBR's app-limited samples.  The capacity counts only what arrived, so it never exceeds
+        the link; what the startup costs is ``STARTUP_ROUNDS`` phases at twice a full link (10 ms
+        each, the queue's drops), however long the workers had too little to send to fill a
+        phase before (a job's first pushes, a backward pass's trickle).  Without arrival
+        stamps the windows are not phases (late reads made some 1.5-2.2x the link, which a
+        startup's highest sample would take for it): no startup."""
         if self.starting:
             phase = self._phase
             if phase is None:
                 self.starting = False
-            elif self.capacity is not None and GAINS[phase % len(GAINS)] > 1:
-                top = max(self.capacity, rate)      # the capacity with this probe's sample
+            elif self.capacity is not None:
+                top = max(self.capacity, rate)      # the capacity with this sample
                 if self._full is None or top >= STARTUP_GROWTH * self._full:
                     self._full, self._flat = top, 0
-                else:
+                elif rate >= STARTUP_FULL * self.capacity:
                     self._flat += 1
                     self.starting = self._flat < STARTUP_ROUNDS
         self._sample(now, rate)
@@ -269,7 +277,7 @@ class Share(ShareCore):
         if k:           # others' TCP flows: their share, or what they take and a headroom
             capacity = max(capacity * active / (active + k), capacity * (1 - HEADROOM) - x)
         g = gain(now)
-        if self.starting and g > 1:
+        if self.starting:
             g = STARTUP_GAIN
         if self.probe_loss and lost:
             g = probe_gain(g, lost / active)
