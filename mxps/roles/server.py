@@ -295,6 +295,7 @@ class Server:
                   "receiver": dict(self.ltp.counts), "drops": dict(self.ltp.drops.counts),
                   "loss_estimate": self.ltp.loss, "budget": self.ltp.budget,
                   "mtu": self.ltp.mtu, "capacity": self.ltp.share.capacity,
+                  "starting": self.ltp.share.starting,     # the grant's startup not yet ended
                   "others": dict(self.ltp.share.others_seen)}
         self._report("ltp", report)
         self.ltp.close()
