@@ -79,6 +79,7 @@ STARTUP_GAIN = 2.0      # the grant's gain while the capacity still grows (``Sha
 STARTUP_GROWTH = 1.25   # ... i.e. until the capacity has not grown by this factor ...
 STARTUP_ROUNDS = 3      # ... over this many samples in a row (BBR's full-pipe check) ...
 STARTUP_FULL = 0.8      # ... of those that carried this much of the capacity at least
+STARTUP_MAX = 100       # samples: the startup ends after this many whatever they were
 
 
 def kth_highest(rates, k=RANK):
@@ -124,7 +125,8 @@ class Share(ShareCore):
         self.fair = fair
         self.probe_loss = probe_loss
         self.starting = startup         # in the startup (``_add``) ...
-        self._full, self._flat = None, 0  # ... its capacity at the last growth, probes since
+        # ... its capacity at the last growth, full samples since, samples in all
+        self._full, self._flat, self._taken = None, 0, 0
         self._x, self._k, self._others_at = 0.0, 0, None
         self._other_bytes = 0.0         # cumulative, for ``others`` (with ``_read_bytes``)
         self._combined = None           # (since, read bytes, others' bytes) of that sample
@@ -161,12 +163,16 @@ class Share(ShareCore):
         BBR's app-limited samples.  The capacity counts only what arrived, so it never exceeds
         the link; what the startup costs is ``STARTUP_ROUNDS`` phases at twice a full link (10 ms
         each, the queue's drops), however long the workers had too little to send to fill a
-        phase before (a job's first pushes, a backward pass's trickle).  Without arrival
+        phase before (a job's first pushes, a backward pass's trickle).  At most
+        ``STARTUP_MAX`` samples (a second of busy phases): a lone sample far over the link (a
+        burst) would otherwise keep every later one under ``STARTUP_FULL`` of the capacity
+        and the grant at twice it, for the ``HORIZON``.  Without arrival
         stamps the windows are not phases (late reads made some 1.5-2.2x the link, which a
         startup's highest sample would take for it): no startup."""
         if self.starting:
             phase = self._phase
-            if phase is None:
+            self._taken += 1
+            if phase is None or self._taken >= STARTUP_MAX:
                 self.starting = False
             elif self.capacity is not None:
                 top = max(self.capacity, rate)      # the capacity with this sample
