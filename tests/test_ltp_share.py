@@ -484,23 +484,23 @@ def test_phases_that_did_not_use_the_grant_do_not_end_the_startup():
 
 def test_a_lone_sample_far_over_the_link_does_not_keep_the_startup_on():
     s = Share(1)
-    t, clock = 0.0, 1.7e9
-    while t < 0.1:                                      # the link: 50 MB/s
-        s.on_packet(0, 1472, t, True, clock + t)
-        t += 1472 / 50e6
-    s.starting, s._flat = True, 0                       # (still starting, as if it grew)
-    end = t + share.WINDOW                              # a phase of a burst: 4x the link
-    while t < end:
-        s.on_packet(0, 1472, t, True, clock + t)
-        t += 1472 / 200e6
-    while t < end + 0.5 and s.starting:                 # every later phase under 0.8 of it
-        s.on_packet(0, 1472, t, True, clock + t)
-        t += 1472 / 50e6
-    assert s.capacity > 150e6 and s.starting            # only the sample cap ends it ...
-    while t < end + 2.0 and s.starting:
-        s.on_packet(0, 1472, t, True, clock + t)
-        t += 1472 / 50e6
-    assert not s.starting and t < end + (share.STARTUP_MAX + 1) * share.WINDOW
+    t, clock, ended = 0.0, 1.7e9, []
+
+    def phase_at(rate, until):
+        nonlocal t
+        while t < until:
+            s.on_packet(0, 1472, t, True, clock + t)
+            if not s.starting and not ended:
+                ended.append(t)
+            t += 1472 / rate
+
+    phase_at(50e6, 2 * share.WINDOW)            # the link, 50 MB/s: the first samples
+    assert s.starting
+    phase_at(200e6, 3 * share.WINDOW)           # a burst phase, 4x the link: a "growth"
+    phase_at(50e6, 3 * share.WINDOW + 0.5)      # every later phase under 0.8 of it
+    assert s.capacity > 150e6 and s.starting    # only the sample cap ends it ...
+    phase_at(50e6, 3 * share.WINDOW + 2.0)
+    assert ended and ended[0] < (share.STARTUP_MAX + 2) * share.WINDOW
     assert s.capacity == pytest.approx(50e6, rel=0.03)  # ... and the 2nd highest is the link
 
 
