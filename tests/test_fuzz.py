@@ -775,6 +775,33 @@ def test_the_worker_io_thread_survives_any_reply_and_scheduler_message(live_work
     np.testing.assert_array_equal(got["value"], [0, 1, 2])
 
 
+def test_the_worker_refuses_a_reply_that_does_not_match_its_request_and_keeps_it_pending(
+        live_worker):
+    client, _, srv = live_worker
+    done = threading.Event()
+    got = []
+    client.submit(0, Header(MsgType.PULL, key=5, offset=2, length=3, dtype=F32), None,
+                  lambda h, payload: (got.append(bytes(payload)), done.set()))
+    assert srv.poll(10000)
+    ident, head = srv.recv_multipart()
+    req = wire.unpack(head)
+    before = client.drops.counts["mismatch"]
+    three = np.arange(3, dtype=np.float32).tobytes()
+    for changes, payload in [
+            (dict(length=0), b""),                                   # no values at all
+            (dict(key=6), three),                                    # another key
+            (dict(offset=1), three),                                 # other elements
+            (dict(dtype=wire.dtype_code(np.float64)),
+             np.arange(3, dtype=np.float64).tobytes()),             # another dtype
+            (dict(), three[:8])]:                                    # fewer bytes than named
+        srv.send_multipart([ident, req.reply(MsgType.DATA, **changes).pack(), payload])
+    assert not done.wait(1.0), "a reply that does not match its request completed it"
+    assert client.drops.counts["mismatch"] - before == 5
+    srv.send_multipart([ident, req.reply(MsgType.DATA).pack(), three])
+    assert done.wait(10), "the matching reply did not complete the request"
+    assert got == [three]
+
+
 def _parses(frame):
     try:
         wire.unpack(frame)

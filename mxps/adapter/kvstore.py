@@ -424,10 +424,11 @@ class MXPS(KVStoreBase):
                 if split:
                     client.submit(s.server, Header(
                         MsgType.PULL, key=k.id, iteration=it, plan_version=plan_version,
-                        offset=s.offset, length=s.length), None, on_reply)
+                        offset=s.offset, length=s.length, dtype=k.code), None, on_reply)
+                # a PULL names the dtype it expects back: a reply of another is refused
                 h = Header(MsgType.PUSH if split else msg, key=k.id, iteration=it,
                            plan_version=plan_version, offset=s.offset, length=s.length,
-                           dtype=k.code if sview is not None else wire.NO_DTYPE)
+                           dtype=k.code)
                 client.submit(s.server, h, sview[s.offset:s.stop] if sview is not None
                               else None, on_reply,
                               priority if sync and h.type == MsgType.PUSH else None)

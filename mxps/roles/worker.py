@@ -50,6 +50,30 @@ def _nbytes(payload):
     return memoryview(payload).nbytes if payload is not None else 0
 
 
+#: requests answered by the values of the slice they name (a DATA reply must name it too)
+_VALUE_REQUESTS = frozenset((MsgType.PULL, MsgType.PUSHPULL))
+
+
+def _mismatch(request, h, payload):
+    """Why ``h`` (with ``payload``) cannot be the DATA answer to the value request ``request``,
+    or None: it must name the same key and elements, carry the request's dtype where the
+    request names one, and hold exactly that many values.  Other replies are their
+    callbacks' to judge."""
+    if h.type != MsgType.DATA or request.type not in _VALUE_REQUESTS:
+        return None
+    if (h.key, h.offset, h.length) != (request.key, request.offset, request.length):
+        return ("it answers key %d elements [%d, %d), the request asked for key %d [%d, %d)"
+                % (h.key, h.offset, h.offset + h.length, request.key, request.offset,
+                   request.offset + request.length))
+    if request.dtype != wire.NO_DTYPE and h.dtype != request.dtype:
+        return "dtype code %d, the request's is %d" % (h.dtype, request.dtype)
+    try:
+        wire.payload_array(h, payload)
+    except wire.WireError as e:
+        return str(e)
+    return None
+
+
 class RemoteError(RuntimeError):
     """A server refused a request; the message is the server's, naming the key and cause."""
 
@@ -563,6 +587,12 @@ class Client:
                 self.drops("unexpected", "worker %d: dropped %r from server %d (%s): not a reply "
                            "to a request of this worker to that server", self.rank, h, i,
                            self.server_addrs[i])
+                continue
+            why = _mismatch(entry[3], h, payload)
+            if why is not None:
+                self._pending[h.request_id] = entry
+                self.drops("mismatch", "worker %d: dropped server %d's (%s) reply %r to %r: %s",
+                           self.rank, i, self.server_addrs[i], h, entry[3], why)
                 continue
             received = time.monotonic()
             if self._trace is not None:
