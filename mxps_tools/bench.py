@@ -106,7 +106,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from . import jobs
+from . import jobs, runtime
 
 #: The benchmark's training job ships inside the package: ``python -m mxps_tools.bench_job``.
 BENCH_JOB = ["-m", "mxps_tools.bench_job"]
@@ -309,8 +309,8 @@ def model_param_sizes(model, mlp_hidden, image_size, timeout=SIZES_TIMEOUT) -> L
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "MXPS_"))}
     env.update(jobs.QUIET_ENV)
-    argv = [sys.executable, "-c", _SIZES_SCRIPT, "--model", model, "--mlp-hidden",
-            str(mlp_hidden), "--image-size", str(image_size)]
+    argv = runtime.python_argv(["-c", _SIZES_SCRIPT, "--model", model, "--mlp-hidden",
+                                str(mlp_hidden), "--image-size", str(image_size)])
     try:
         p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
                            stdin=subprocess.DEVNULL)

@@ -657,13 +657,15 @@ def _wait_processes(procs: Mapping[str, Tuple[subprocess.Popen, str]], timeout: 
 
 
 def _node_argv(a, role: str, index: int, message_bytes: int, rounds: int, extra: Sequence[str]):
-    return [sys.executable, "-m", "mxps_tools.incast", "--role", role, "--index", str(index),
-            "--transport", a.transport, "--senders", str(a.senders),
-            "--message-bytes", str(message_bytes), "--rounds", str(rounds),
-            "--warmup", str(a.warmup), "--port", str(a.port),
-            "--control-port", str(a.control_port), "--round-timeout", str(a.round_timeout),
-            "--rate", str(a.rate), "--mtu", str(a.mtu)] + (
-                ["--tcp-cc", a.tcp_cc] if a.tcp_cc else []) + list(extra)
+    from .runtime import python_argv
+    return python_argv(
+        ["-m", "mxps_tools.incast", "--role", role, "--index", str(index),
+         "--transport", a.transport, "--senders", str(a.senders),
+         "--message-bytes", str(message_bytes), "--rounds", str(rounds),
+         "--warmup", str(a.warmup), "--port", str(a.port),
+         "--control-port", str(a.control_port), "--round-timeout", str(a.round_timeout),
+         "--rate", str(a.rate), "--mtu", str(a.mtu)]
+        + (["--tcp-cc", a.tcp_cc] if a.tcp_cc else []) + list(extra))
 
 
 def run_point(topo, a, point: Point, workdir: str) -> Dict:

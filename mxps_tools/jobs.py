@@ -10,7 +10,9 @@ mxps's scheduler writes the job's rank assignment (``Job.job_info``).
 
 Nodes run ``[python] + script_argv`` in ``cwd`` (default: the caller's current directory) with
 the caller's environment: the runner never puts a source tree on PYTHONPATH, so what the nodes
-import (mxps, the bench job) must be installed, as it is for a user.  Every node is the leader
+import (mxps, the bench job) must be installed, as it is for a user; a ``-m``/``-c`` job runs
+with ``python -P`` (``runtime.python_argv``), so a checkout's root as the current directory
+cannot shadow the installed package.  Every node is the leader
 of its own process group and writes stdout/stderr to ``<log_dir>/<node>.out|.err`` (a pipe that
 nobody reads would block it).
 
@@ -51,6 +53,8 @@ import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import psutil
+
+from .runtime import python_argv
 
 LOOPBACK = "127.0.0.1"
 #: Port the scheduler listens on inside its namespace (each namespace has its own ports).
@@ -444,7 +448,7 @@ class Job:
     def _spawn(self, node: Node):
         node.out_path = os.path.join(self.log_dir, node.name + ".out")
         node.err_path = os.path.join(self.log_dir, node.name + ".err")
-        argv = [sys.executable] + self.script_argv
+        argv = python_argv(self.script_argv)
         with open(node.out_path, "wb") as fo, open(node.err_path, "wb") as fe:
             kw = dict(env=self._node_env(node), cwd=self.cwd, stdin=subprocess.DEVNULL,
                       stdout=fo, stderr=fe, start_new_session=True)
