@@ -193,6 +193,21 @@ def _raises():
     return _scenario_job("raise", 2, 1, env, body)
 
 
+def _raises_midstep():
+    """Worker 1 raises inside a pushpull of three keys, two of them already in flight."""
+    def body(job):
+        ready = job.wait_files(["ready_rank1.json"], START_TIMEOUT, alive=False)[0]
+        raiser = job.by_pid(ready["pid"])
+        raised_at = time.monotonic() - (time.time() - ready["time"])
+        job.wait(lambda: raiser.returncode is not None, 60, "exit of the raising worker")
+        job.wait_all_exit(40)
+        return job, raiser, raised_at
+
+    env = {"FAULT_MODE": "midstep", "FAULT_STEP_SLEEP": "8", "MXPS_HEARTBEAT_INTERVAL": "",
+           "MXPS_HEARTBEAT_TIMEOUT": "", "MXPS_TIMEOUT": ""}
+    return _scenario_job("raise-midstep", 2, 2, env, body)
+
+
 def _bad_input():
     def body(job):
         job.wait_all_exit(START_TIMEOUT + 60)
@@ -272,6 +287,7 @@ SCENARIOS = {
     "kill_scheduler": _killed("scheduler"),
     "early_exit": _early_exit,
     "raises": _raises,
+    "raises_midstep": _raises_midstep,
     "bad_input": _bad_input,
     "disagree": _disagree,
     "lost_shutdown": _lost_shutdown,
@@ -449,6 +465,25 @@ def test_worker_whose_script_raises_ends_the_job_promptly_naming_it(scenarios):
         if n.role != "scheduler":
             assert re.search(r"worker 1 \([^)]*\) failed: worker 1 raised RuntimeError: "
                              r"fault_job: injected failure", n.stderr), detail
+
+
+@uses("raises_midstep")
+def test_worker_whose_script_raises_inside_a_pushpull_ends_with_the_exception(scenarios):
+    job, raiser, raised_at = _result(scenarios, "raises_midstep")
+    detail = job.describe(since=raised_at)
+    _report("worker 1 raised inside a pushpull, exit delays", _delays(job, raised_at), job)
+    assert raiser.returncode == 1, detail
+    assert "ValueError" in raiser.stderr and "Traceback" in raiser.stderr, detail
+    # its operations in flight were failed, not waited for: it ends in seconds, not at
+    # MXPS_TIMEOUT (its pushes wait for worker 0, which pushes only 8 s later)
+    assert raiser.exited_at - raised_at < 6.0, detail
+    for n in job.nodes:
+        if n is raiser:
+            continue
+        assert n.returncode == 3, detail
+        if n.role != "scheduler":
+            assert re.search(r"worker 1 \([^)]*\) failed: worker 1 raised ValueError",
+                             n.stderr), detail
 
 
 @uses("raises")

@@ -118,6 +118,9 @@ def _install_exit_hooks(client):
     def at_exit():
         if failure:
             client.report_failure("worker %d raised %s" % (client.rank, failure[-1]))
+            # MXNet's own exit handler (registered before this one, so it runs after it)
+            # waits for every engine operation: fail those waiting for replies
+            client.abandon()
             return
         try:
             mx.nd.waitall()
@@ -187,6 +190,29 @@ class _Countdown:
             last = self.n == 0
         if last:
             self.done()
+
+
+class _EngineOp:
+    """One mxps operation on MXNet's engine: completed once, by its last reply or, when the
+    script failed, by ``Client.abandon``."""
+
+    __slots__ = ("client", "completion", "after", "lock", "finished")
+
+    def __init__(self, client, completion, after):
+        self.client = client
+        self.completion = completion
+        self.after = after
+        self.lock = threading.Lock()
+        self.finished = False
+
+    def finish(self):
+        with self.lock:
+            if self.finished:
+                return
+            self.finished = True
+        self.client.end_op(self)
+        self.completion()
+        self.after()
 
 
 @KVStoreBase.register
@@ -402,12 +428,13 @@ class MXPS(KVStoreBase):
         sync = self._cfg.sync
 
         def run(completion):
+            op = _EngineOp(client, completion, self._op_done)
+            if not client.begin_op(op):       # the script failed: nothing more is sent
+                op.finish()
+                return
             sview = numpy_view(src) if src is not None else None
             dview = numpy_view(dst) if dst is not None else None
-
-            def done():
-                completion()
-                self._op_done()
+            done = op.finish
 
             # sync: a PUSHPULL goes as a PULL (answered when the round is complete) and a
             # PUSH that waits its turn in the I/O thread's per-server priority queue

@@ -132,6 +132,12 @@ class Client:
         os.set_blocking(self._wake_w, False)
         self._barrier_seq = 0
         self._stopped = threading.Event()
+        # operations on MXNet's engine waiting for this client's replies (``begin_op``); a
+        # failing worker completes them all (``abandon``) so that MXNet's shutdown, which
+        # waits for every operation, can end the process
+        self._ops_lock = threading.Lock()
+        self._open_ops = set()
+        self.abandoned = False
         self._sleeping = True
         self._finished = False
         self.at_finish = []       # callables run at a clean exit, once MXNet's engine is idle
@@ -349,6 +355,33 @@ class Client:
         self._wake()
         time.sleep(0.3)
         self._stopped.set()
+
+    def begin_op(self, op):
+        """Register an engine operation that waits for replies; False (not registered) once
+        the client was abandoned: the operation must then complete without sending."""
+        with self._ops_lock:
+            if self.abandoned:
+                return False
+            self._open_ops.add(op)
+            return True
+
+    def end_op(self, op):
+        with self._ops_lock:
+            self._open_ops.discard(op)
+
+    def abandon(self):
+        """The script failed: stop the I/O thread and complete every engine operation still
+        waiting for replies (their outputs are left as they are), and every later one at once,
+        so that the process can end with the script's exception instead of MXNet waiting at
+        exit for replies that will never come."""
+        self._stopped.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(5)
+        with self._ops_lock:
+            self.abandoned = True
+            ops, self._open_ops = list(self._open_ops), set()
+        for op in ops:
+            op.finish()
 
     def _count(self, iteration, server, nbytes, now):
         with self.traffic_lock:

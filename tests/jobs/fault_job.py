@@ -27,6 +27,12 @@ Workers do what FAULT_MODE says and report into FAULT_OUT:
                         the server refuses (``refused_rank1.json``); both ranks then pull key 8
                         from the same server (``served_rank{R}.json``); then rank 1 pushes key 7
                         through the kvstore, which ends the job with the server's message.
+  FAULT_MODE=midstep    three keys initialised; rank 1 calls ``pushpull`` of all three with
+                        the third gradient of a wrong shape, which raises ValueError after the
+                        first two keys' operations are on MXNet's engine, waiting for the
+                        servers (rank 0 pushes only FAULT_STEP_SLEEP seconds later); rank 1
+                        writes ``ready_rank1.json`` ({rank, pid, time}) just before the call.
+                        The process must end with the script's exception (exit 1).
   FAULT_MODE=config     not a job: one plain process; for each case in FAULT_CASES (JSON list of
                         {name, env: {VAR: value or null}}) sets the variables, calls
                         ``mx.kv.create('mxps')`` and records the outcome in ``config.json``.
@@ -219,6 +225,24 @@ def run_disagree():
     time.sleep(60)          # the scheduler ends the job (rank 1 failed)
 
 
+def run_midstep():
+    kv = mx.kv.create("mxps")
+    shape = (64, 32)
+    keys = [0, 1, 2]
+    kv.init(keys, [mx.nd.zeros(shape) for _ in keys])
+    grads = [mx.nd.ones(shape) for _ in keys]
+    outs = [mx.nd.zeros(shape) for _ in keys]
+    if kv.rank == 1:
+        grads[2] = mx.nd.ones((3, 3))            # refused by the kvstore's shape check
+        _write_json("ready_rank1.json", {"rank": 1, "pid": os.getpid(), "time": time.time()})
+        kv.pushpull(keys, grads, out=outs)       # raises after keys 0 and 1 are in flight
+        raise AssertionError("pushpull of a wrong shape did not raise")
+    time.sleep(float(os.environ.get("FAULT_STEP_SLEEP", "5")))
+    kv.pushpull(keys, grads, out=outs)
+    mx.nd.waitall()                              # the job is ended by rank 1's failure
+    time.sleep(60)
+
+
 def run_config():
     cases = json.loads(os.environ["FAULT_CASES"])
     saved = dict(os.environ)
@@ -244,4 +268,4 @@ def run_config():
 
 if __name__ == "__main__":
     {"train": run_train, "badinput": run_badinput, "disagree": run_disagree,
-     "config": run_config}[MODE]()
+     "midstep": run_midstep, "config": run_config}[MODE]()
