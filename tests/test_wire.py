@@ -279,32 +279,71 @@ def test_dealer_with_the_job_secret_reaches_the_router_under_its_identity():
 @pytest.mark.parametrize("kind,source,settings,why", [
     ("plain", "127.0.0.31", tcp.PLAIN, "no MXPS_SECRET"),
     ("wrong", "127.0.0.32", tcp.Settings(auth.Credentials(OTHER)), "different MXPS_SECRET")])
-def test_peer_without_the_secret_or_with_another_delivers_nothing_and_is_logged_by_address(
+def test_peer_without_the_secret_or_with_another_delivers_nothing_and_every_refusal_is_logged(
         caplog, kind, source, settings, why):
+    """Every refused connection is counted and logged with the reason, under the peer's
+    address or, when the connection closed before the gatekeeper's thread could read its
+    address, as "an unknown address" (never under another's).  Which of the two is a race
+    with the peer: a handshake without the secret fails within ~100 us on loopback, and on a
+    busy machine the gatekeeper's thread often reads the connection's ACCEPTED event only
+    after it is closed, when no address can be read from it any more (libzmq's monitor
+    events of this version carry the descriptor, not the peer's address).  The address
+    itself, when it can be read, is tested in test_refusal_is_logged_with_the_peers_address_
+    while_its_connection_is_open below."""
     name = "t-" + kind
     router, port = tcp.bind_router("127.0.0.1", None, _job(), who=name)
     caplog.set_level("WARNING", logger="mxps.auth")
     tries = []
     try:
-        # a refusal is logged with the address unless the connection closed before the
-        # gatekeeper could read it: a few connections make that practically certain
-        while not _refusals(name).get(source) and len(tries) < 10:
+        for _ in range(3):
             dealer, watch = _dealer(settings, port, source, b"worker:0")
             tries.append((dealer, watch))
             tcp.send(dealer, Header(MsgType.PUSH, key=1), b"x" * 100, block=False)
             assert _watch_until(watch, lambda: watch.failures > 0)
             assert not watch.succeeded
-            time.sleep(0.2)      # the gatekeeper's thread logs asynchronously
         assert not router.poll(300), "a message from a peer without the job's secret arrived"
-        assert _refusals(name).get(source), _refusals(name)
+        assert _watch_until(tries[-1][1], lambda: sum(_refusals(name).values()) >= 3), \
+            _refusals(name)
+        assert set(_refusals(name)) <= {source, "?"}, _refusals(name)
         lines = [r.getMessage() for r in caplog.records
-                 if "%s refused a connection from %s:" % (name, source) in r.getMessage()]
-        assert lines and why in lines[0], lines
+                 if r.getMessage().startswith("%s refused a connection from " % name)]
+        assert lines and all(why in ln for ln in lines), lines
+        assert all(("from %s:" % source) in ln or "from an unknown address" in ln
+                   for ln in lines), lines
     finally:
         for dealer, watch in tries:
             watch.close()
             dealer.close(0)
         router.close(0)
+
+
+def test_refusal_is_logged_with_the_peers_address_while_its_connection_is_open(caplog):
+    """The gatekeeper reads the peer's address when it sees the connection accepted, while it
+    is still open: the failed handshake and the close that follow name that address."""
+    import logging
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    peer = socket.socket()
+    peer.bind(("127.0.0.34", 0))
+    peer.connect(listener.getsockname())
+    conn, _ = listener.accept()
+    caplog.set_level("WARNING", logger="mxps.test")
+    tally = tcp.Tally(logging.getLogger("mxps.test"))
+    watch = auth._Watch("t-open", tally)
+    fd = conn.fileno()
+    ev = lambda e, v: [struct.pack("<HI", e, v), b"tcp://127.0.0.1:1"]    # noqa: E731
+    watch.on_events([ev(zmq.EVENT_ACCEPTED, fd)])
+    watch.on_events([ev(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 0x11000002),
+                     ev(zmq.EVENT_DISCONNECTED, fd)])
+    assert dict(tally.counts) == {"t-open:127.0.0.34": 1}, tally.counts
+    assert [r.getMessage() for r in caplog.records] == [
+        "t-open refused a connection from 127.0.0.34:%d: %s" % (
+            peer.getsockname()[1], auth._handshake_reason(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                                         0x11000002))]
+    for s in (peer, conn, listener):
+        s.close()
 
 
 def test_peer_knowing_the_listeners_key_but_not_the_jobs_client_key_is_refused_by_zap(caplog):
