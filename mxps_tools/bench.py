@@ -154,11 +154,11 @@ SYSTEMS = [
     System("mxps-unchunked", "mxps", {"MXPS_PLAN": "default"},
            "mxps with MXNet's placement, one slot per server part"),
     System("mxps-adaptive", "mxps", {"MXPS_PLAN": "adaptive"},
-           "mxps with bandwidth-aware placement (issue #4)"),
+           "mxps with bandwidth-aware placement"),
     System("mxps-ltp", "mxps", {"MXPS_PLAN": "chunked", "MXPS_PUSH": "ltp"},
-           "mxps-default with LTP, the loss-tolerant push over UDP (issue #11)"),
+           "mxps-default with LTP, the loss-tolerant push over UDP"),
     System("mxps-adaptive-ltp", "mxps", {"MXPS_PLAN": "adaptive", "MXPS_PUSH": "ltp"},
-           "mxps-adaptive with LTP, the loss-tolerant push over UDP (issue #11)"),
+           "mxps-adaptive with LTP, the loss-tolerant push over UDP"),
 ]
 DEFAULT_SYSTEMS = ("native", "native-p3", "mxps-default", "mxps-adaptive")
 

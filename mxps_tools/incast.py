@@ -1,4 +1,4 @@
-"""Push-alone incast benchmark on the emulated network (issue #11, part 7).
+"""Push-alone incast benchmark on the emulated network.
 
     python -m mxps_tools.incast --transport tcp --message 4M --queue-ms 2 --loss 1 --rounds 50
     python -m mxps_tools.incast --grid --out incast-tcp.json

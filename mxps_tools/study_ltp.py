@@ -1,4 +1,4 @@
-"""LTP's accuracy study on scikit-learn's digits (issue #11, "Proof required: Accuracy").
+"""LTP's accuracy study on scikit-learn's digits.
 
     flock /tmp/mxps-bench.lock python -m mxps_tools.study_ltp --out /tmp/ltp-study \\
         --plot docs/bench/ltp_accuracy.png --json docs/bench/ltp_accuracy.json

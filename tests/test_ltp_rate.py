@@ -702,7 +702,7 @@ class SlowAcker(Bottleneck):
 
 
 def test_a_path_held_by_the_grant_keeps_a_window_for_the_grant_at_the_rtt_it_sees():
-    # session 12: paths capped at the server's grant never left STARTUP (their samples are
+    # measured on resnet18 3 x 3: paths capped at the server's grant never left STARTUP (their samples are
     # app-limited), their window was a BDP of the 0.1 ms minimum RTT, and with the server
     # ACKing milliseconds late they delivered half of the grant
     rate, ceiling = 50e6, 14e6

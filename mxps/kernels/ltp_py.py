@@ -434,7 +434,7 @@ class ShareCore:
         read at its start drained the socket.  So a window starts only at a draining read: after
         a read that left datagrams behind (a server behind its link), the next reads hold what
         came before it, and counting that backlog measured how fast the server caught up, not
-        the link (issue #11: 72 MB/s of capacity on a 50 MB/s link, 13-17% of the packets
+        the link (measured: 72 MB/s of capacity on a 50 MB/s link, 13-17% of the packets
         dropped by its queue with no random loss).  A batch read after a pause does not count
         the pause's bytes in the next window either.
 

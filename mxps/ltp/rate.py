@@ -371,7 +371,7 @@ class PathRate:
         delivery samples measure the ceiling, not the path, so they may raise ``btl_bw`` but
         never lower it (as Linux treats a sender held by the receiver's window).  Without that
         the estimate fell to the ceiling within a window of round trips, and the sender needed
-        a probe cycle per 25% to climb back when the ceiling rose (issue #11: a server's grant
+        a probe cycle per 25% to climb back when the ceiling rose (measured: a server's grant
         that rose from 3 to 9 MB/s met paths whose estimates had fallen to 2-4 MB/s)."""
         self.max_rate = max(float(ceiling), self.min_rate)
         self._capped = self._wanted > self.max_rate
@@ -624,7 +624,7 @@ class PathRate:
             # held by the server's grant (``cap``): room for the grant at the round trip the
             # path sees.  Its samples are app-limited, so STARTUP never ends and the ACK
             # aggregation allowance never applies, and a BDP of the minimum RTT misses the
-            # server's own delay before it ACKs (measured, session 12: resnet18 on 3 x 3,
+            # server's own delay before it ACKs (measured: resnet18 on 3 x 3,
             # min_rtt 0.1 ms, paths delivering half of their grant with ~30-50 KB in flight)
             target = max(target, CWND_GAIN * self.max_rate * self._srtt)
         if self._cwnd_open:

@@ -44,7 +44,7 @@ MAX_RTO = 1.0
 # Pacing credit (seconds) a path may spend at once when its pump comes late.  The I/O loop
 # sleeps whole milliseconds, rounded up (roles.worker), and on a busy machine wakes later
 # still, so pumps come 1-3 ms apart: with the rate model's default credit of 1 ms a path whose
-# queue was never empty sent 25-31% of its pacing rate (measured, issue #11: resnet18, 3 x 3,
+# queue was never empty sent 25-31% of its pacing rate (measured: resnet18, 3 x 3,
 # paths paced at 7-19 MB/s sent 2-5 MB/s).  The model still bounds a burst to 64 KB.
 PUMP_CREDIT = 0.004
 # A path held back by its pacing (or its window) is pumped again no sooner than this later
@@ -65,9 +65,9 @@ END_LOSS_TARGET = 1e-3
 MAX_END_COPIES = 4
 LOSS_WINDOW_PACKETS = 256
 # The END's first timeout: "rtt", RFC 6298's srtt + 4 rttvar of the path's ACKed packets (the
-# default); "min_rtt": 4 x the path's minimum RTT (before issue #11's session 20, for
-# ablations).  Both at least MIN_RTO (4 x MIN_RTO before an RTT sample).  Measured (issue #11,
-# session 19, resnet18 at MTU 1500, 5% loss): with 4 x min_rtt a worker resent 3.8 ENDs per
+# default); "min_rtt": 4 x the path's minimum RTT (the earlier rule, for
+# ablations).  Both at least MIN_RTO (4 x MIN_RTO before an RTT sample).  Measured (resnet18 at MTU 1500,
+# 5% loss): with 4 x min_rtt a worker resent 3.8 ENDs per
 # push, nearly all spurious: on a busy machine an ACK comes back much later than the idle path's
 # round trip, which only the smoothed RTT and its variation follow.
 END_TIMEOUTS = ("rtt", "min_rtt")

@@ -18,15 +18,15 @@ also at most what the workers had to send and what the grant let them send, and 
 job most windows are neither full nor grant-limited (the gradients of a backward pass come
 layer by layer, rounds start and end, workers finish at different times).  The median of such
 windows measured the demand, not the link, and a grant cut from it capped the next windows at
-it: measured (issue #11, resnet18 over 3 x 3 servers), the capacity began at 0.5-2 MB/s from
+it: measured (resnet18 over 3 x 3 servers), the capacity began at 0.5-2 MB/s from
 the first windows of the job and stayed at 2-4 MB/s for its whole run on 12.5-50 MB/s links,
 with every busy path paced at the grant.  A window fuller than the link cannot happen, so a
 high rank is a lower bound of the link that only a real window raises; not the very highest
 (``RANK`` > 1), so that one odd window is ignored.  A time horizon, not a count of windows, so
 that the windows of a slow stretch (a backward pass) do not push out the full ones of the last
 push phase.  The windows run on the kernel's arrival time of each packet (SO_TIMESTAMPNS, read
-with the batch: session 11), so when the server got round to reading a packet does not matter;
-since session 16 a window is a gain phase's bytes over the link's busy time in it (``_arrival``:
+with the batch), so when the server got round to reading a packet does not matter;
+a window is a gain phase's bytes over the link's busy time in it (``_arrival``:
 the idle spells between a job's rounds are not a slower link, and a window across phases
 averaged the probe away).
 Without stamps (a socket that refuses the option) they run on read times: the server reads its
@@ -46,8 +46,8 @@ gain over an exact share is ``GAINS`` in turn, a window each, the same phase for
 (1.15 for a window, then 0.85 to drain what the probe queued, then 1 for two): a probe window
 that delivers more raises the capacity, so grant-limited senders find the link from a low
 start in 2.5-3 s (x25), random loss does not lower it (the probe sends 1 / (1 - p) more, p
-the workers' mean measured loss, so that its windows deliver 1.15 x the capacity: ``probe_gain``,
-since session 23; before, they delivered 1.15 x (1 - p) of it, nothing more from 13% loss on),
+the workers' mean measured loss, so that its windows deliver 1.15 x the capacity: ``probe_gain``;
+without it they delivered 1.15 x (1 - p) of it, nothing more from 13% loss on),
 and a full link sees 1.5 ms of queue per probe and its average
 (a continuous 10% margin would overrun a full link by 9% all the time: with it, and reads
 counted where they happened, the incast benchmark delivered 76% of its packets in time, 93%
@@ -108,13 +108,13 @@ def probe_gain(g, loss):
 
 class Share(ShareCore):
     """``busy_windows``: with arrival stamps, the capacity over the link's busy time, a sample
-    per gain phase (``_arrival``; False: windows over all the time, as before issue #11's
-    session 16, for ablations); ``owing``: the grant shared by the workers that still owe an
+    per gain phase (``_arrival``; False: windows over all the time, for
+    ablations); ``owing``: the grant shared by the workers that still owe an
     open round (False: by all active workers); ``fair``: the grant leaves other processes'
     TCP flows into this host their share (``others``; False: it does not look);
     ``probe_loss``: the probe phase makes up for the workers' measured loss (``probe_gain``;
-    False: it does not, as before issue #11's session 23); ``startup``: the capacity's start
-    (``_add``; False: none, as before issue #11's session 24)."""
+    False: it does not, for ablations); ``startup``: the capacity's start
+    (``_add``; False: none, for ablations)."""
 
     def __init__(self, num_workers, busy_windows=True, owing=True, fair=True, probe_loss=True,
                  startup=True):
@@ -254,8 +254,8 @@ class Share(ShareCore):
         eighth of the link (measured, the push alone, 8 x 50 KB at 10% loss: the last worker
         started 2.4 ms after the first and its last packet came 10-11 ms into an 8.6 ms round,
         docs/bench/RESULTS.md).  A round's workers all owe it from its first packet on, those
-        not yet heard too, so its start is shared by all (session 12's reverted change, a
-        worker active only while it sent, gave the first pusher the link and overran the
+        not yet heard too, so its start is shared by all (measured and reverted: a
+        worker active only while it sent gave the first pusher the link and overran the
         queue when the others came).
 
         ``loss``: each worker's measured loss on its path (the receiver's ``loss``); the

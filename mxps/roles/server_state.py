@@ -1321,7 +1321,7 @@ class ServerState:
                 # rule's floor): while any is below it a packet needs no look (measured: the
                 # look is a quarter of a packet's server time at MTU 1500; looking only at
                 # the packets of parts past it still cost 11% of the server's samples at
-                # 5% loss, session 18); deadlines and grace are the wakes' business
+                # 5% loss); deadlines and grace are the wakes' business
                 if not first and lt.below:
                     return
             else:

@@ -522,7 +522,7 @@ class Client:
                     # MXPS_PUSH=ltp: a push that goes by TCP (a small slice, critical) skips
                     # the queue.  Sent first, its TCP retransmission timeout (200 ms and
                     # more) passes while LTP moves the bulk; sent last, in priority order,
-                    # it was the round's end (docs/LTP.md, session 15)
+                    # it was the round's end (docs/LTP.md)
                     if self._trace is not None:
                         self._record(_HELD, server, h, _nbytes(payload))
                         self._record(_RELEASED, server, h, _nbytes(payload))
