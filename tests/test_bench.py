@@ -32,7 +32,9 @@ SMALL = ["--quick", "--steps", "4", "--warmup", "1", "--compute-steps", "1", "--
 #: the quick MLP's elements per server rank under MXNet's placement: rank 1 is the heaviest
 QUICK_HEAVIEST, QUICK_LIGHTEST = 1, 0
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+#: the emulated network: root (tests/conftest.py fails the test without it, naming why)
+needs_root = pytest.mark.netns
+pytestmark = pytest.mark.slow
 
 
 def _bench_cmd(out_dir, *extra):

@@ -28,16 +28,8 @@ TRANSFER_SECONDS = 2.5
 WARMUP_SECONDS = 0.5
 
 
-def _prerequisites_missing():
-    try:
-        emunet.check_prerequisites()
-    except emunet.EmunetError as exc:
-        return str(exc)
-    return None
-
-
-needs_root = pytest.mark.skipif(_prerequisites_missing() is not None,
-                                reason=f'emunet prerequisites: {_prerequisites_missing()}')
+#: the emulated network: root and its tools (tests/conftest.py fails the test without them)
+needs_root = pytest.mark.netns
 
 RECEIVER = textwrap.dedent('''
     import json, socket, sys, time

@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cluster  # noqa: E402
 from mxps_tools import jobs as runner  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def _load_matrix():
     """scripts/failure_matrix.py (a script, not a package module) as a module."""

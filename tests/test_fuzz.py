@@ -56,6 +56,8 @@ from mxps.roles.server_state import Out, ServerState  # noqa: E402
 from mxps.wire import auth, frame as wire, tcp, typed  # noqa: E402
 from mxps.wire.frame import HEADER_SIZE, Header, MsgType, WireError  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 SECRET = "fuzz-secret-" + secrets.token_hex(16)
 SETTINGS = tcp.Settings(auth.Credentials(SECRET.encode()))
 F32 = wire.dtype_code(np.float32)

@@ -36,7 +36,7 @@ import pytest
 
 from mxps_tools import patching
 
-pytestmark = pytest.mark.install
+pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

@@ -12,7 +12,6 @@ import ipaddress
 import json
 import glob
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,9 +26,7 @@ LAUNCH_TIMEOUT = 300
 NAMESPACE_NET = ipaddress.ip_network("198.18.0.0/15")
 ENV_JOB = os.path.join(cluster.JOBS_DIR, "fault_launch_env.py")
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None,
-    reason="mxps launch needs root and iproute2 (network namespaces)")
+# mxps launch runs the job in a network namespace: the netns tier (root; tests/conftest.py)
 
 
 def _netns():

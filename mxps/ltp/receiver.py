@@ -38,8 +38,6 @@ import logging
 import secrets
 import socket
 
-import psutil
-
 from . import packet as pk
 from .others import ForeignTcp
 from .share import Share
@@ -71,6 +69,7 @@ _NO_TALLY = (0,) * 6
 
 def interface_mtu(host):
     """The MTU of the interface holding address ``host`` (None if none does)."""
+    import psutil      # here, not at import: once per socket, and the module stays light
     try:
         addrs = psutil.net_if_addrs()
         stats = psutil.net_if_stats()
