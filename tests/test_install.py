@@ -16,7 +16,12 @@ the ones used, and a small loopback bench runs native dist_sync and mxps (the jo
 are pinned to the versions of the running venv, so pip takes them from its cache or the local
 wheel directories (about 40 s in all here, most of it compiling the Cython kernels).
 
-Marked ``install`` (``pytest -m install``).
+And the README's first command, taken from README.md and run verbatim by bash in a fresh
+clone of this checkout's HEAD, from the clone's root, with no virtualenv active: as a newcomer
+runs it (it builds its own ``.venv`` there and runs ``mxps bench --quick`` on the emulated
+network: the netns tier).  Every system of the quick bench must have produced step times.
+
+Marked ``slow``.
 """
 import dataclasses
 import importlib.metadata
@@ -31,6 +36,8 @@ import sysconfig
 import tempfile
 import time
 import zipfile
+
+import re
 
 import pytest
 
@@ -415,3 +422,72 @@ def test_from_a_wheel_mxps_patch_applies_and_a_small_bench_runs_native_and_mxps_
             cwd, "out", "metrics-loopback-mxps-default-%d.jsonl" % rank))
     print("wheel test seconds: build %.1f, venv + install %.1f, bench %.1f"
           % (v.seconds["build"], v.seconds["install"], bench_seconds))
+
+
+# --------------------------------------------------------------------------- the README
+
+def readme_commands():
+    """The shell commands of README.md's ```bash blocks, in order."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        return [b.strip() for b in re.findall(r"```bash\n(.*?)\n```", f.read(), re.S)]
+
+
+def newcomer_env():
+    """This environment as a new user's shell has it: no virtualenv active, nothing of the
+    test run on the paths."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")
+           and not k.startswith(("DMLC_", "MXPS_", "PYTEST_"))}
+    venv = os.environ.get("VIRTUAL_ENV") or sys.prefix
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and not os.path.realpath(p).startswith(
+                                      os.path.realpath(venv) + os.sep))
+    return env
+
+
+def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
+    first, second = readme_commands()[:2]
+    assert first.endswith("mxps bench --quick") and "pip install '.[examples]'" in first
+    assert second.startswith("bash scripts/test-deps.sh && ") and second.endswith(
+        "python -m pytest -q tests")
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci = f.read()
+    assert "blocks[1]" in ci and 'bash -c "$cmd"' in ci, ci
+
+
+@pytest.mark.netns
+def test_the_readmes_first_command_runs_verbatim_in_a_fresh_clone_from_its_root(tmp_path):
+    command = readme_commands()[0]
+    clone = str(tmp_path / "mxps")
+    try:
+        _must(run(["git", "clone", "--quiet", "--no-hardlinks", REPO, clone], timeout=120,
+                  profile_imports=False), "git clone")
+        t0 = time.monotonic()
+        proc = subprocess.Popen(["bash", "-c", command], cwd=clone, env=newcomer_env(),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=1500)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)     # the bench removes its namespaces
+            try:
+                stdout, stderr = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+        seconds = time.monotonic() - t0
+        out = "exit %s after %.0f s\n--- stdout (tail)\n%s\n--- stderr (tail)\n%s" % (
+            proc.returncode, seconds, stdout[-6000:], stderr[-6000:])
+        assert proc.returncode == 0, out
+        with open(os.path.join(clone, "mxps-bench-out", "bench.json")) as f:
+            summary = json.load(f)
+        names = [r["name"] for r in summary["systems"]]
+        assert {"native", "native-p3", "mxps-default", "mxps-adaptive"} <= set(names), names
+        for r in summary["systems"]:
+            assert r["ok"], "%s: %s\n%s" % (r["name"], r.get("reason"), out)
+            assert r["workers"] and all(w["step_seconds"] for w in r["workers"]), (r, out)
+        # the venv's mxps is the one built from the clone, with its compiled kernels
+        assert "mxps-adaptive" in stdout, out
+        print("README's first command: %.0f s from a fresh clone" % seconds)
+    finally:
+        shutil.rmtree(clone, ignore_errors=True)
