@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""Summing worker slices into an accumulator without the GIL (compiled twin of mxps/accum_py.py).
+"""Summing worker slices into an accumulator without the GIL (compiled twin of mxps/kernels/accum_py.py).
 
 A server in sync mode receives one slice of a key from each of W workers and sums them; for big
 slices this is the server's main CPU cost.  ``add_into(acc, src)`` does ``acc += src`` in C with

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Asynchronous operations on MXNet's dependency engine (compiled twin of mxps/engine_py.py).
+"""Asynchronous operations on MXNet's dependency engine (compiled twin of mxps/kernels/engine_py.py).
 
 MXNet's native kvstore overlaps communication with backward by pushing an *asynchronous* engine
 operation per key: the engine runs it once the gradient is ready, the operation starts the

@@ -1352,7 +1352,7 @@ def test_ltp_without_loss_and_with_ratio_1_trains_exactly_what_tcp_trains(jobs,
         assert stats["rounds"] > 0 and stats["rounds"] == stats["close_complete"], rep
         assert stats["packets_received"] == stats["packets_expected"] > 0, rep
         assert not rep["drops"] and not any(k.startswith("drop_") for k in stats), rep
-        assert rep["starting"] in (True, False), rep         # the grant's startup, reported
+        assert type(rep["starting"]) is bool, rep         # the grant's startup, reported
     # and the workers' reports say the same from the sending side: every DATA packet they
     # sent was received (none resent, none refused by a full buffer), ACKs came back, and
     # each I/O thread counted its turns and its CPU time

@@ -285,5 +285,7 @@ def test_a_mnist_cell_in_mxnets_layout_trains_squeezenet_from_the_local_files(tm
     (r,) = recs
     assert r["dataset"] == "mnist" and r["model"] == "squeezenet"
     assert len(r["curve"]) == 1 and 0 <= r["final"] <= 1 and r["steps"] > 0
+    # an accuracy over the 32 images of the test split: a whole number of them right
+    assert r["final"] * len(ys) == pytest.approx(round(r["final"] * len(ys)), abs=1e-6), r
     assert r["changed_labels"] == noise.count(0.1, len(yt))     # random: a ratio of all labels
     assert os.path.exists(os.path.join(out, "mnist.md"))
