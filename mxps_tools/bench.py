@@ -73,6 +73,12 @@ run's timed window (in the default dynamic scenario the sum of server rates is c
 and the same W processes competing for the CPU); the median over workers and runs is used.  The
 report gives ``floor s`` and ``% of floor`` = floor / mean step time.
 
+**Cost per byte**: ``CPU s/GB w`` and ``CPU s/GB s`` are the CPU-seconds all workers (all
+servers) spent during the timed steps per GB the workers pushed and pulled in them (``2 x W x
+steps x M``, the same bytes for every system; ``cpu_per_gb``).  On a fast link a 2-core machine
+is CPU-bound, and these are what separate the systems; a worker's figure includes its compute,
+which is the same for every system.
+
 Shares following the rates (mxps systems): every mxps job runs with ``MXPS_METRICS`` set, so each
 worker writes one JSON line per step (``mxps.metrics``) to ``metrics-<run>-<rank>.jsonl`` in
 ``--out-dir`` (``<run>`` = ``<variant>[-rep<i>]-<system>``, variant ``static-rank<r>``,
@@ -551,6 +557,27 @@ def step_summary(workers) -> dict:
             "median_s": statistics.median(steps), "p90_s": p90(steps), "p99_s": p99(steps)}
 
 
+#: bytes per element of the bench job's parameters and gradients (float32)
+ELEMENT_BYTES = 4
+
+
+def cpu_per_gb(cpu, param_sizes, num_workers, timed_steps):
+    """CPU-seconds per GB moved during the timed steps, per process kind (``worker``,
+    ``server``, ``scheduler``): the kind's CPU-seconds in the window (``cpu``: node name ->
+    ``{"role", "cpu_seconds_window"}``) over the gigabytes (1e9 bytes) the workers pushed and
+    pulled in it (every worker pushes and pulls the whole model every step: ``2 x W x steps x
+    model bytes``, whatever the placement).  Every system moves the same bytes, so the figures
+    compare cost per byte; a worker's includes its compute, the same for every system."""
+    gb = 2.0 * num_workers * timed_steps * sum(param_sizes) * ELEMENT_BYTES / 1e9
+    out = {"gb_moved": gb}
+    for n in cpu.values():
+        s = n.get("cpu_seconds_window")
+        if s is None or gb <= 0:
+            continue
+        out[n["role"]] = out.get(n["role"], 0.0) + s / gb
+    return out
+
+
 def job_e2e_seconds(nodes) -> Optional[float]:
     """Launch of the first node to the exit of the last (``jobs.Node.started`` / ``exited_at``,
     monotonic): what the job costs its user, start-up and shut-down included; None if a node
@@ -608,7 +635,10 @@ def aggregate_runs(records, names) -> List[dict]:
              "p90_s": _mean(r["p90_s"] for r in ok),
              "p99_s": _mean(r.get("p99_s") for r in ok),
              "floor_s": _mean(r.get("floor_s") for r in ok),
-             "moves": [r.get("moves") for r in ok]}
+             "moves": [r.get("moves") for r in ok],
+             "cpu_per_gb": {k: _mean(r["cpu_per_gb"].get(k) for r in ok
+                                     if r.get("cpu_per_gb"))
+                            for k in ("worker", "server")}}
         a["floor_share"] = a["floor_s"] / a["mean_s"] if a["floor_s"] and a["mean_s"] else None
         ltp = [r["ltp"] for r in ok if r.get("ltp")]
         if ltp:
@@ -1205,6 +1235,8 @@ class Bench:
                            "cpu_seconds_total": life}
             total += s or 0.0
         rec["cpu"] = cpu
+        rec["cpu_per_gb"] = cpu_per_gb(cpu, workers[0]["param_sizes"], len(workers),
+                                       rec["timed_steps"])
         rec["cpu_window_seconds"] = t1 - t0
         rec["cpu_machine_share"] = total / (t1 - t0) / (os.cpu_count() or 1)
 
@@ -1417,7 +1449,7 @@ def _variant_table(v, repeat) -> str:
     headers = ["system", "mean s", "e2e s", "median s", "p90 s", "p99 s"]
     if repeat > 1:
         headers += ["mean min-max", "sd"]
-    headers += ["speedup", "vs native", "floor s", "% of floor"]
+    headers += ["speedup", "vs native", "floor s", "% of floor", "CPU s/GB w", "CPU s/GB s"]
     dynamic = v["scenario"] == "dynamic"
     if dynamic:
         headers.append("moves")
@@ -1436,6 +1468,8 @@ def _variant_table(v, repeat) -> str:
                 _speedup_cell(a["speedup_vs_native"], a["speedup_vs_native_range"], repeat),
                 _fmt("%.3f", a["floor_s"]),
                 _fmt("%.0f%%", None if a["floor_share"] is None else 100 * a["floor_share"])]
+        per_gb = a.get("cpu_per_gb") or {}
+        row += [_fmt("%.2f", per_gb.get("worker")), _fmt("%.2f", per_gb.get("server"))]
         if dynamic:
             row.append(_moves_cell(a["moves"]))
         rows.append(row)

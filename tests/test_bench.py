@@ -444,12 +444,14 @@ def _lines_of(text, name):
 
 def test_report_puts_mean_e2e_median_p90_first_per_rank_then_the_mean_over_ranks():
     extra = dict(cpu=_cpu(0.5), cpu_machine_share=0.7, rank_source="scheduler log",
+                 cpu_per_gb={"gb_moved": 2.0, "worker": 1.5, "server": 0.75},
                  rate_log=[[1.0, "s1", 50.0, 50.0]],
                  bytes_per_server=[{"rank": 0, "node": "s1", "in_per_step": 2e6,
                                     "out_per_step": 2.1e6, "predicted_per_step": 2.2e6}])
     recs = [_rec("native", 1, 0.5, "static-rank0", **extra),
             _rec("mxps-adaptive", 1, 0.25, "static-rank0", **dict(
                 extra, cpu=_cpu(None), cpu_machine_share=0.9, rank_source="job info",
+                cpu_per_gb={"gb_moved": 2.0, "worker": 0.5, "server": 0.25},
                 bytes_per_server=[], follow={"changes": [{"steps": 2, "steps_observed": 4},
                                                          {"steps": None, "steps_observed": 3}],
                                              "final_ratio": 1.6, "plan_versions": [0, 1]})),
@@ -472,11 +474,13 @@ def test_report_puts_mean_e2e_median_p90_first_per_rank_then_the_mean_over_ranks
                            "s"]
     assert "floor" in header and "serial" not in text and "moves" not in header
     native, adaptive = _lines_of(text, "native"), _lines_of(text, "mxps-adaptive")
-    # mean, e2e, median, p90, p99, speedup, vs native, floor, % of floor (floor / mean)
+    # mean, e2e, median, p90, p99, speedup, vs native, floor, % of floor (floor / mean),
+    # CPU-seconds per GB moved of the workers and of the servers
+    assert header[-6:] == ["CPU", "s/GB", "w", "CPU", "s/GB", "s"]
     assert native[0] == ["native", "0.500", "5.0", "0.450", "0.600", "0.700", "1.00x", "1.00x",
-                         "0.250", "50%"]
+                         "0.250", "50%", "1.50", "0.75"]
     assert adaptive[0] == ["mxps-adaptive", "0.250", "2.5", "0.225", "0.300", "0.350", "2.00x",
-                           "2.00x", "0.250", "100%"]
+                           "2.00x", "0.250", "100%", "0.50", "0.25"]
     assert adaptive[1][:2] == ["mxps-adaptive", "0.400"] and adaptive[1][6] == "1.00x"
     lines = text.splitlines()
     mean_over = next(i for i, ln in enumerate(lines) if "mean over server ranks 0, 1" in ln)
@@ -493,6 +497,20 @@ def test_report_puts_mean_e2e_median_p90_first_per_rank_then_the_mean_over_ranks
     assert adaptive[3] == ["mxps-adaptive", "[2,", "never/3]", "1.60", "0-1"]
     assert adaptive[4] == ["mxps-adaptive", "-", "-", "-", "-", "-", "90%"]
     assert text.index("--- static-rank0, rep 1 ---") < text.index("--- static-rank1, rep 1 ---")
+
+
+def test_cpu_per_gb_divides_each_kinds_window_cpu_by_the_bytes_every_worker_pushed_and_pulled():
+    cpu = {"sched": {"role": "scheduler", "cpu_seconds_window": 0.1},
+           "s0": {"role": "server", "cpu_seconds_window": 2.0},
+           "s1": {"role": "server", "cpu_seconds_window": 1.0},
+           "w0": {"role": "worker", "cpu_seconds_window": 5.0},
+           "w1": {"role": "worker", "cpu_seconds_window": None}}     # not sampled: left out
+    # 2 workers x 10 steps x (2 x 25e6 float32 = 100 MB each way): 4 GB pushed and pulled
+    got = bench.cpu_per_gb(cpu, [20_000_000, 5_000_000], 2, 10)
+    assert got["gb_moved"] == pytest.approx(4.0)
+    assert got["server"] == pytest.approx(0.75) and got["worker"] == pytest.approx(1.25)
+    assert got["scheduler"] == pytest.approx(0.025)
+    assert bench.cpu_per_gb(cpu, [0], 2, 10) == {"gb_moved": 0.0}
 
 
 def test_report_over_reps_gives_the_spread_and_for_dynamic_the_moves():
