@@ -17,6 +17,11 @@ Needs root (network namespaces).
 runs native dist_sync and mxps side by side on an emulated heterogeneous network
 (mxps_tools.bench).
 
+    mxps bench-server --workers 2 --repeat 3
+
+measures one server on loopback: GB/s per server core and the workers' CPU per GB, mxps with
+and without the job secret beside native's server (mxps_tools.server_bench).
+
     mxps plot metrics-*.jsonl --out-dir plots/
     mxps plot --trace /tmp/trace [--around WALL_TIME] [--window 10] --out-dir plots/
     mxps plot --trace /tmp/trace --summary
@@ -138,6 +143,11 @@ def main(argv=None):
                         "network (or loopback)")
     from . import bench
     bench.add_arguments(be)
+    sb = sub.add_parser("bench-server", help="one server, N workers on loopback: GB/s per "
+                        "server core and worker CPU per GB, mxps (with and without the job "
+                        "secret) beside native")
+    from . import server_bench
+    server_bench.add_arguments(sb)
     pl = sub.add_parser("plot", help="PNGs from MXPS_METRICS files, or an MXPS_TRACE "
                         "timeline and summary")
     pl.add_argument("metrics", nargs="*", help="the workers' metrics files")
@@ -166,6 +176,8 @@ def main(argv=None):
         if not args.no_plots:
             require_matplotlib("mxps bench (without --no-plots)")
         return bench.main(args)
+    if args.cmd == "bench-server":
+        return server_bench.main(args, sb)
     if args.cmd == "plot":
         return cmd_plot(pl, args)
     if args.cmd == "study":
