@@ -27,7 +27,7 @@ import tempfile
 from typing import Dict, List
 
 from . import jobs
-from .bench import job_secret_env
+from .bench import _table, job_secret_env
 
 SYSTEMS: Dict[str, Dict] = {
     "native": {"kvstore": "dist_sync", "env": {}, "secret": False},
@@ -151,9 +151,7 @@ def format_table(summary: dict) -> str:
              _cell(a["worker_cpu_s_per_gb"], a["worker_cpu_s_per_gb_range"], "%.2f"),
              _cell(a["round_median_s"], a["round_median_s_range"], "%.3f")]
             for a in summary["systems"]]
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    for row in [headers] + rows:
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    lines.append(_table(rows, headers))
     for r in summary["records"]:
         if not r.get("ok"):
             lines.append("%s rep %d: FAILED: %s" % (r["system"], r["rep"], r["reason"][:500]))

@@ -51,8 +51,10 @@ def main():
     got = float(outs[-1][-1].asscalar())
     line = json.dumps({"kvstore": ARGS.kvstore, "type": kv.type, "rank": kv.rank,
                        "num_workers": kv.num_workers, "keys": ARGS.keys,
-                       "elements": ARGS.elements, "round_bytes": 2 * 4 * ARGS.keys * ARGS.elements,
-                       "round_start_abs": starts, "round_end_abs": ends, "sum": got, "pid": os.getpid()})
+                       "elements": ARGS.elements,
+                       "round_bytes": 2 * 4 * ARGS.keys * ARGS.elements,
+                       "round_start_abs": starts, "round_end_abs": ends, "sum": got,
+                       "pid": os.getpid()})
     if ARGS.out:
         with open(ARGS.out, "a") as f:
             f.write(line + "\n")
