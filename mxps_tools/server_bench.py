@@ -27,7 +27,7 @@ import tempfile
 from typing import Dict, List
 
 from . import jobs
-from .bench import _table, job_secret_env
+from .bench import _table, job_secret_env, plan_runs
 
 SYSTEMS: Dict[str, Dict] = {
     "native": {"kvstore": "dist_sync", "env": {}, "secret": False},
@@ -54,9 +54,9 @@ class Options:
     out_dir: str = "mxps-bench-server-out"
 
 
-def run_summary(results: List[dict], cpu: Dict[str, dict]) -> dict:
-    """One run's figures from its workers' result lines and its nodes' window CPU
-    (``{node: {"role", "cpu_seconds_window"}}``, over the returned ``window``)."""
+def timed_window(results: List[dict]):
+    """``(t0, t1, rounds)``: the earliest start and latest end of the workers' timed rounds and
+    how many each timed; checks that every worker pulled the same non-zero aggregate."""
     if not results:
         raise ServerBenchError("no worker reported")
     sums = {r["rank"]: r["sum"] for r in results}
@@ -65,9 +65,14 @@ def run_summary(results: List[dict], cpu: Dict[str, dict]) -> dict:
     rounds = {len(r["round_start_abs"]) for r in results}
     if len(rounds) != 1 or not min(rounds):
         raise ServerBenchError("the workers timed %s rounds" % sorted(rounds))
-    n = rounds.pop()
-    t0 = min(r["round_start_abs"][0] for r in results)
-    t1 = max(r["round_end_abs"][-1] for r in results)
+    return (min(r["round_start_abs"][0] for r in results),
+            max(r["round_end_abs"][-1] for r in results), rounds.pop())
+
+
+def run_summary(results: List[dict], cpu: Dict[str, dict]) -> dict:
+    """One run's figures from its workers' result lines and its nodes' CPU over the
+    ``timed_window`` (``{node: {"role", "cpu_seconds_window"}}``)."""
+    t0, t1, n = timed_window(results)
     gb = sum(r["round_bytes"] for r in results) * n / 1e9
     server = sum(c["cpu_seconds_window"] or 0.0 for c in cpu.values() if c["role"] == "server")
     worker = sum(c["cpu_seconds_window"] or 0.0 for c in cpu.values() if c["role"] == "worker")
@@ -98,20 +103,12 @@ def run_one(o: Options, system: str, log_dir: str) -> dict:
     with open(out) as f:
         results = [json.loads(ln) for ln in f if ln.strip()]
     rec = {"system": system}
-    probe = run_summary(results, {n.name: {"role": n.role, "cpu_seconds_window": None}
-                                  for n in res.nodes})
-    t0, t1 = probe["window"]
+    t0, t1, _ = timed_window(results)
     cpu = {n.name: {"role": n.role, "cpu_seconds_window": n.cpu_seconds_between(t0, t1)}
            for n in res.nodes}
     rec.update(run_summary(results, cpu))
     rec["cpu"] = cpu
     return rec
-
-
-def order(systems: List[str], rep: int) -> List[str]:
-    """The systems of repetition ``rep`` (0-based), rotated by one per rep."""
-    k = rep % len(systems)
-    return systems[k:] + systems[:k]
 
 
 def aggregate(records: List[dict], systems: List[str]) -> List[dict]:
@@ -161,20 +158,19 @@ def format_table(summary: dict) -> str:
 def run(o: Options, out=sys.stdout) -> dict:
     os.makedirs(o.out_dir, exist_ok=True)
     records = []
-    for rep in range(o.repeat):
-        for s in order(o.systems, rep):
-            log_dir = tempfile.mkdtemp(prefix="%s-rep%d-" % (s, rep + 1),
-                                       dir=os.path.abspath(o.out_dir))
-            try:
-                rec = dict(run_one(o, s, log_dir), ok=True)
-            except (ServerBenchError, jobs.JobError, jobs.JobTimeout, OSError) as e:
-                rec = {"system": s, "ok": False, "reason": str(e)}
-            rec["rep"] = rep + 1
-            records.append(rec)
-            print("rep %d %s: %s" % (rep + 1, s, "%.2f GB/s, %s GB/s per server core" % (
-                rec["gb_per_s"], "-" if rec["server_gb_per_core_s"] is None else
-                "%.2f" % rec["server_gb_per_core_s"]) if rec["ok"] else "FAILED"),
-                file=out, flush=True)
+    for rep, _, s in plan_runs(o.systems, [None], o.repeat):
+        log_dir = tempfile.mkdtemp(prefix="%s-rep%d-" % (s, rep + 1),
+                                   dir=os.path.abspath(o.out_dir))
+        try:
+            rec = dict(run_one(o, s, log_dir), ok=True)
+        except (ServerBenchError, jobs.JobError, jobs.JobTimeout, OSError) as e:
+            rec = {"system": s, "ok": False, "reason": str(e)}
+        rec["rep"] = rep + 1
+        records.append(rec)
+        print("rep %d %s: %s" % (rep + 1, s, "%.2f GB/s, %s GB/s per server core" % (
+            rec["gb_per_s"], "-" if rec["server_gb_per_core_s"] is None else
+            "%.2f" % rec["server_gb_per_core_s"]) if rec["ok"] else "FAILED"),
+            file=out, flush=True)
     summary = {"options": dataclasses.asdict(o), "records": records,
                "systems": aggregate(records, o.systems),
                "host": {"cpus": os.cpu_count()}}

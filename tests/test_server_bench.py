@@ -39,9 +39,7 @@ def test_a_wrong_sum_or_unequal_rounds_is_not_measured():
         sb.run_summary([good, _worker(1, [1.0, 2.0], [2.0, 3.0])], {})
 
 
-def test_systems_rotate_per_rep_and_bad_options_are_refused():
-    assert [sb.order(["a", "b", "c"], r) for r in range(4)] == [
-        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+def test_bad_options_are_refused_naming_the_option():
     p = __import__("argparse").ArgumentParser()
     sb.add_arguments(p)
     with pytest.raises(sb.ServerBenchError, match="unknown systems"):
@@ -58,6 +56,8 @@ def test_a_small_live_run_measures_native_and_mxps_with_the_secret(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "bench_server.json").read_text())
+    # one rep: the systems in the order given (rotation per rep is bench.plan_runs')
+    assert [x["system"] for x in summary["records"]] == ["native", "mxps"]
     recs = {x["system"]: x for x in summary["records"]}
     assert set(recs) == {"native", "mxps"} and all(x["ok"] for x in recs.values())
     for x in recs.values():
