@@ -2,6 +2,7 @@
 in whatever order they are made; a disk store makes a row only when it is first touched."""
 import json
 import os
+import re
 import pickle
 
 import mxnet as mx
@@ -103,17 +104,26 @@ def check_table_job(out, rows, cols):
 
 def test_a_server_making_a_table_for_longer_than_the_heartbeat_timeout_is_not_taken_for_dead(
         tmp_path):
-    """Each server makes 32M elements in RAM from the rule (seconds) while the heartbeat
-    timeout is 1 s: the servers heartbeat from inside that work and read the scheduler's
-    messages of meanwhile before judging its silence (without either the job dies)."""
+    """Each server makes 128M elements (512 MB) in RAM from the rule and copies them into its
+    stored value while the heartbeat timeout is 1 s: the servers heartbeat from inside that work
+    and read the scheduler's messages of meanwhile before judging its silence (without either
+    the job dies).  The servers' own log shows the work took longer than the timeout, or the
+    test has lost its point."""
     import cluster
     job = os.path.join(os.path.dirname(__file__), "jobs", "table_job.py")
-    rows, cols = 4 << 20, 16
-    cluster.run_job([job], 2, 2, env={"TABLE_OUT": str(tmp_path), "TABLE_ROWS": rows,
-                                      "TABLE_COLS": cols, "MXPS_HEARTBEAT_INTERVAL": 0.25,
-                                      "MXPS_HEARTBEAT_TIMEOUT": 1.0},
-                    timeout=180).raise_for_failure()
+    rows, cols, timeout = 4 << 20, 64, 1.0
+    res = cluster.run_job([job], 2, 2, env={"TABLE_OUT": str(tmp_path), "TABLE_ROWS": rows,
+                                            "TABLE_COLS": cols, "MXPS_HEARTBEAT_INTERVAL": 0.25,
+                                            "MXPS_HEARTBEAT_TIMEOUT": timeout},
+                          role_env={"server": {"MXPS_LOG_LEVEL": "INFO"}}, timeout=180)
+    res.raise_for_failure()
     check_table_job(str(tmp_path), rows, cols)
+    made = [float(x) for n in res.nodes if n.role == "server"
+            for x in re.findall(r"from its rule in ([0-9.]+) s", n.stderr)]
+    assert len(made) == 2, [n.stderr[-2000:] for n in res.nodes if n.role == "server"]
+    assert min(made) > timeout, made
+    print("\nslices made from the rule in %s s (heartbeat timeout %.1f s)"
+          % (", ".join("%.2f" % m for m in made), timeout))
 
 
 def test_a_job_inits_a_table_from_a_rule_and_pulls_and_pushes_its_rows(tmp_path):

@@ -40,6 +40,7 @@ import logging
 import numbers
 import pickle
 import sys
+import time
 
 import mxnet as mx
 import numpy as np
@@ -794,10 +795,13 @@ class ServerState:
         if self.store is not None:
             store = self._disk_slice(h, arr, cols, rule)
         elif rule is not None:
-            store = MemorySlice(rule.span(h.offset, h.offset + h.length,
-                                          progress=self.progress))
+            t0 = time.monotonic()
+            store = MemorySlice(rule.span(h.offset, h.offset + h.length, progress=self.progress),
+                                progress=self.progress)
+            log.info("key %d: made its slice at %d (%d elements) from its rule in %.2f s",
+                     h.key, h.offset, h.length, time.monotonic() - t0)
         else:
-            store = MemorySlice(arr.copy())
+            store = MemorySlice(arr.copy(), progress=self.progress)
         slot = self.slots[(h.key, h.offset)] = _Slot(h.key, h.offset, h.length, h.dtype, store)
         slot.cols = cols
         if self.updater is not None and slot.index != slot.key:
@@ -1642,7 +1646,8 @@ class ServerState:
                                % (mig.version, key, sorted(applied)))
         # a copy: a received part's value is a read-only view of its frame
         value = np.concatenate([p["value"] for p in parts])
-        slot = _Slot(key, want.offset, want.length, parts[0]["dtype"], MemorySlice(value))
+        slot = _Slot(key, want.offset, want.length, parts[0]["dtype"],
+                     MemorySlice(value, progress=self.progress))
         slot.applied = applied.pop()
         if self.updater is not None:
             slot.store.serve_weights(copy=not self.sync)

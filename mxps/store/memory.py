@@ -11,14 +11,23 @@ class MemorySlice:
     the value after the last complete round) and reusable accumulators for the rounds' sums.
 
     ``value`` (a flat numpy array) becomes the first snapshot as it is: the caller hands over
-    an array nothing else writes."""
+    an array nothing else writes.  It is copied into the stored value ``COPY_BLOCK`` elements
+    at a time, ``progress()`` called after every block: a slice of GBs takes seconds to copy
+    (first touch of its pages), and a server doing that keeps heartbeating."""
 
     __slots__ = ("weight_nd", "weight", "snapshot", "_free")
 
-    def __init__(self, value):
-        self.weight_nd = mx.nd.array(value, dtype=value.dtype)
+    #: 4 MB of float32 per block: ms each
+    COPY_BLOCK = 1 << 20
+
+    def __init__(self, value, progress=None):
+        self.weight_nd = mx.nd.empty(value.shape, dtype=value.dtype)
         self.weight_nd.wait_to_read()
         self.weight = numpy_view(self.weight_nd)
+        for a in range(0, value.size, self.COPY_BLOCK):
+            self.weight[a:a + self.COPY_BLOCK] = value[a:a + self.COPY_BLOCK]
+            if progress is not None:
+                progress()
         self.snapshot = value
         self._free = []            # (acc, acc_nd) accumulators of completed rounds
 
