@@ -13,6 +13,10 @@ install): ``-m "not slow"`` leaves it out.  A ``netns`` test run without root fa
 the reason, unless the run leaves the tier out (``-m "not netns"``).  Files none of whose
 tests the ``-m`` expression can select are not even imported, so ``-m unit`` imports neither
 the job runner nor psutil.
+
+The README's first command (``readme_first_command``, tests/readme_run.py) takes minutes,
+mostly waiting on slow emulated links: when a selected test uses it, it starts in the
+background as soon as the tests are collected, and those tests wait for its result.
 """
 import itertools
 import os
@@ -22,6 +26,11 @@ import sys
 
 import pytest
 from _pytest.mark.expression import Expression
+
+#: the session fixture of the README's first command (tests/readme_run.py), started in the
+#: background once the tests are collected if a selected test uses it
+FIRST_COMMAND = "readme_first_command"
+_BACKGROUND = pytest.StashKey()
 
 TIERS = ("unit", "cluster", "netns")
 
@@ -117,6 +126,30 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError("%s: its file has no tier in tests/conftest.py FILE_TIERS"
                                     % item.nodeid)
         item.add_marker(tier)
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or netns_missing() is not None:
+        return
+    if any(FIRST_COMMAND in getattr(item, "fixturenames", ()) for item in session.items):
+        import readme_run
+        session.config.stash[_BACKGROUND] = readme_run.Background()
+
+
+def pytest_sessionfinish(session):
+    background = session.config.stash.get(_BACKGROUND, None)
+    if background is not None:
+        background.stop()
+
+
+@pytest.fixture(scope="session")
+def readme_first_command(request):
+    """The README's first command, run verbatim in a fresh clone (tests/readme_run.py)."""
+    background = request.config.stash.get(_BACKGROUND, None)
+    if background is None:          # selected after collection (it needs the netns tier)
+        import readme_run
+        background = request.config.stash[_BACKGROUND] = readme_run.Background()
+    return background.result()
 
 
 def netns_missing():

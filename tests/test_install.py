@@ -1,4 +1,4 @@
-"""The installed commands: never a parameter-server role, and a wheel that works on its own.
+"""The installed commands: never a parameter-server role; and mxps as a newcomer installs it.
 
 A tool runs in a shell where a job's ``DMLC_ROLE=server`` may well be set, and ``import mxps``
 (or ``import mxnet``) in such a process starts that role. So the installed console scripts
@@ -8,23 +8,20 @@ command must exit as it should, nothing may connect to that port, and the comman
 MXNet must import neither ``mxnet`` nor the ``mxps`` runtime (seen with
 PYTHONPROFILEIMPORTTIME, which makes the interpreter log every import).
 
-Then a wheel built from this checkout (``pip wheel --no-deps``, not editable) is installed with
-its dependencies into a fresh venv and used from a temporary directory, with nothing of the
-checkout on the path: ``mxps-patch apply`` patches that venv's MXNet, the compiled kernels are
-the ones used, and a small loopback bench runs native dist_sync and mxps (the job ships as
-``python -m mxps_tools.bench_job``), whose workers end with the same losses. The dependencies
-are pinned to the versions of the running venv, so pip takes them from its cache or the local
-wheel directories (about 40 s in all here, most of it compiling the Cython kernels).
-
-And the README's first command, taken from README.md and run verbatim by bash in a fresh
-clone of this checkout's HEAD, from the clone's root, with no virtualenv active: as a newcomer
-runs it (it builds its own ``.venv`` there and runs ``mxps bench --quick`` on the emulated
-network: the netns tier).  Every system of the quick bench must have produced step times.
+Then the README's first command, taken from README.md and run verbatim by bash in a fresh
+clone of this checkout's HEAD, from the clone's root, with no virtualenv active, as a newcomer
+runs it (tests/readme_run.py; the session starts it in the background): it builds its own
+``.venv`` from a wheel pip makes of the clone and runs ``mxps bench --quick`` on the emulated
+network (the netns tier).  Every system of the quick bench must have produced step times.  That
+install is then used from a temporary directory, with nothing of the clone on the path: it holds
+the compiled kernels, the patches and the console scripts and nothing of the tests or sources;
+``mxps-patch`` reverts and applies that venv's MXNet; the compiled kernels are the ones used;
+and a small loopback bench runs native dist_sync and mxps (the job ships as ``python -m
+mxps_tools.bench_job``), whose workers end with the same losses.
 
 Marked ``slow``.
 """
 import dataclasses
-import importlib.metadata
 import json
 import os
 import shutil
@@ -33,24 +30,17 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
-import zipfile
-
-import re
 
 import pytest
 
 from mxps_tools import patching
+from readme_run import readme_commands
 
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-#: Not copied into the wheel's source tree: what .gitignore ignores (a fresh clone has none).
-BUILD_LEFTOVERS = (".git", "__pycache__", "*.pyc", "*.so", "*.c", "build", "dist", "*.egg-info",
-                   ".venv", "venv", ".pytest_cache", ".hypothesis", "results", "bench-out",
-                   "*.log")
 #: The smallest bench that runs both systems on more than one server and worker.
 SMALL_BENCH = ["bench", "--network", "loopback", "-n", "2", "-s", "2", "--model", "mlp",
                "--mlp-hidden", "64", "--steps", "2", "--warmup", "1", "--compute-steps", "1",
@@ -270,75 +260,49 @@ def test_mxps_patch_checks_applies_and_reverts_with_a_jobs_variables_set(
     assert out.count(real) == n, out
 
 
-# --------------------------------------------------------------------------- from a wheel
-
-def _pins():
-    """``name==version`` of every distribution of the running venv (but mxps): the fresh venv gets
-    the versions the tests run with, which pip already has (cache, local wheels)."""
-    pins = {}
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
-        if name and name.lower() != "mxps":
-            pins[name.lower()] = dist.version
-    return "".join("%s==%s\n" % kv for kv in sorted(pins.items()))
-
+# --------------------------------------------------------------------------- as a newcomer installs it
 
 def _must(ran, what):
     assert ran.returncode == 0, "%s failed:\n%s" % (what, ran.describe())
     return ran
 
 
-@dataclasses.dataclass
-class WheelVenv:
-    wheel: str
-    venv: str
-    bindir: str
-    python: str
-    site_packages: str
-    seconds: dict
+def _installed(first):
+    """The clone venv's site-packages and mxps's installed files (its dist-info RECORD: what
+    the wheel pip built from the clone held)."""
+    assert first.returncode == 0, first.describe()
+    sp = run([first.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+             profile_imports=False).stdout.strip()
+    info = [n for n in os.listdir(sp) if n.startswith("mxps-") and n.endswith(".dist-info")]
+    assert len(info) == 1, info
+    with open(os.path.join(sp, info[0], "RECORD")) as f:
+        names = [line.split(",")[0] for line in f if line.strip()]
+    with open(os.path.join(sp, info[0], "entry_points.txt")) as f:
+        entry_points = f.read()
+    return sp, names, entry_points
 
 
-@pytest.fixture(scope="module")
-def wheel_venv():
-    """A wheel built from a copy of this checkout, installed with its dependencies into a fresh
-    venv (removed afterwards: it holds ~280 MB)."""
-    base = tempfile.mkdtemp(prefix="mxps-wheel-test-")
-    try:
-        seconds = {}
-        t0 = time.monotonic()
-        src = os.path.join(base, "src")
-        shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(*BUILD_LEFTOVERS))
-        dist = os.path.join(base, "dist")
-        _must(run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", dist, src],
-                  timeout=600, profile_imports=False), "pip wheel")
-        wheels = [os.path.join(dist, n) for n in os.listdir(dist) if n.endswith(".whl")]
-        assert len(wheels) == 1, wheels
-        seconds["build"] = time.monotonic() - t0
-
-        t0 = time.monotonic()
-        venv = os.path.join(base, "venv")
-        _must(run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=120,
-                  profile_imports=False), "python -m venv")
-        python = os.path.join(venv, "bin", "python")
-        pins = os.path.join(base, "pins.txt")
-        with open(pins, "w") as f:
-            f.write(_pins())
-        _must(run([sys.executable, "-m", "pip", "--python", python, "install", "--constraint",
-                   pins, wheels[0]], timeout=600, profile_imports=False),
-              "pip install of the wheel")
-        seconds["install"] = time.monotonic() - t0
-        sp = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                 profile_imports=False).stdout.strip()
-        yield WheelVenv(wheels[0], venv, os.path.join(venv, "bin"), python, sp, seconds)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+@pytest.mark.netns
+def test_the_readmes_first_command_runs_verbatim_in_a_fresh_clone_from_its_root(
+        readme_first_command):
+    first = readme_first_command
+    assert first.command == readme_commands()[0]
+    assert first.returncode == 0, first.describe()
+    assert first.summary is not None, "no bench.json:\n" + first.describe()
+    names = [r["name"] for r in first.summary["systems"]]
+    assert {"native", "native-p3", "mxps-default", "mxps-adaptive"} <= set(names), names
+    for r in first.summary["systems"]:
+        assert r["ok"], "%s: %s\n%s" % (r["name"], r.get("reason"), first.describe())
+        assert r["workers"] and all(w["step_seconds"] for w in r["workers"]), (
+            r, first.describe())
+    assert "mxps-adaptive" in first.stdout, first.describe()
+    print("README's first command: %.0f s from a fresh clone" % first.seconds)
 
 
-def test_the_wheel_holds_the_compiled_kernels_the_patches_and_the_console_scripts(wheel_venv):
-    with zipfile.ZipFile(wheel_venv.wheel) as z:
-        names = z.namelist()
-        entry_points = next(z.read(n).decode() for n in names
-                            if n.endswith(".dist-info/entry_points.txt"))
+@pytest.mark.netns
+def test_the_install_holds_the_compiled_kernels_the_patches_and_the_console_scripts(
+        readme_first_command):
+    _, names, entry_points = _installed(readme_first_command)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     for ext in ("_accum", "_engine"):
         assert "mxps/kernels/%s%s" % (ext, suffix) in names, names
@@ -350,24 +314,29 @@ def test_the_wheel_holds_the_compiled_kernels_the_patches_and_the_console_script
     assert "mxps-patch = mxps_tools.patching:main" in entry_points
 
 
-def test_from_a_wheel_mxps_patch_applies_and_a_small_bench_runs_native_and_mxps_anywhere(
-        wheel_venv, scheduler_port, tmp_path):
-    v = wheel_venv
-    cwd = str(tmp_path)                   # not the checkout: nothing of it is importable
+@pytest.mark.netns
+def test_installed_mxps_patch_reverts_and_applies_and_a_small_bench_runs_from_anywhere(
+        readme_first_command, scheduler_port, tmp_path):
+    first = readme_first_command
+    sp, _, _ = _installed(first)
+    cwd = str(tmp_path)                   # not the clone: nothing of it is importable
     env = job_vars("server", scheduler_port.port)
 
     # the tools and their patch files come from the venv, and importing them starts no role
-    ran = _must(run([v.python, "-c", "import mxps_tools.patching as p; print(p.__file__); "
+    ran = _must(run([first.python, "-c", "import mxps_tools.patching as p; print(p.__file__); "
                      "print(p.patches_dir())"], env, cwd=cwd), "import of the installed tools")
     assert_not_a_role(ran, scheduler_port)
     for path in ran.stdout.split():
-        assert os.path.realpath(path).startswith(os.path.realpath(v.site_packages)), ran.stdout
+        assert os.path.realpath(path).startswith(os.path.realpath(sp)), ran.stdout
 
-    # the fresh venv's MXNet is unpatched; mxps-patch apply patches it, from any directory
-    mxps_patch = installed_script("mxps-patch", v.bindir)
+    # the README's command patched the venv's MXNet; mxps-patch reverts and applies it again,
+    # from any directory, each time saying which files
+    mxps_patch = installed_script("mxps-patch", first.bindir)
+    ran = _must(run([mxps_patch, "check"], env, cwd=cwd), "mxps-patch check")
+    assert ran.stdout.count(sp) == 2, ran.describe()
+    _must(run([mxps_patch, "revert"], env, cwd=cwd), "mxps-patch revert")
     ran = run([mxps_patch, "check"], env, cwd=cwd)
     assert ran.returncode == 1 and ran.stdout.count("not applied") == 2, ran.describe()
-    assert ran.stdout.count(v.site_packages) == 2, ran.describe()
     assert_not_a_role(ran, scheduler_port)
     ran = _must(run([mxps_patch, "apply"], env, cwd=cwd), "mxps-patch apply")
     assert ran.stdout.count("applied") == 2 and "already" not in ran.stdout, ran.describe()
@@ -375,29 +344,18 @@ def test_from_a_wheel_mxps_patch_applies_and_a_small_bench_runs_native_and_mxps_
     assert_not_a_role(_must(run([mxps_patch, "check"], env, cwd=cwd), "mxps-patch check"),
                       scheduler_port)
 
-    # a worker uses the compiled kernels installed from the wheel
-    ran = _must(run([v.python, "-c", "import mxps, mxps.kernels.accum as a, "
+    # a worker uses the compiled kernels of the install
+    ran = _must(run([first.python, "-c", "import mxps, mxps.kernels.accum as a, "
                      "mxps.kernels.engine as e; print(a.IMPLEMENTATION, e.IMPLEMENTATION); "
                      "print(mxps.__file__, a._impl.__file__, e._impl.__file__)"],
                     cwd=cwd, profile_imports=False), "import mxps in a worker")
     impls, files = ran.stdout.splitlines()[-2:]
     assert impls.split() == ["cython", "cython"], ran.describe()
     for path in files.split():
-        assert os.path.realpath(path).startswith(os.path.realpath(v.site_packages)), files
-
-    # plots need matplotlib, which the wheel does not bring: refused up front, not after a run
-    mxps = installed_script("mxps", v.bindir)
-    has_mpl = run([v.python, "-c", "import importlib.util as u; "
-                   "print(u.find_spec('matplotlib') is not None)"],
-                  cwd=cwd, profile_imports=False).stdout.strip() == "True"
-    if not has_mpl:
-        for args in (SMALL_BENCH + ["--out-dir", "refused"], ["plot", "m.jsonl"]):
-            ran = run([mxps] + args, env, cwd=cwd)
-            assert ran.returncode == 2 and "needs matplotlib" in ran.stderr, ran.describe()
-            assert_not_a_role(ran, scheduler_port)
-        assert not os.path.exists(os.path.join(cwd, "refused"))
+        assert os.path.realpath(path).startswith(os.path.realpath(sp)), files
 
     # the bench: native dist_sync and mxps, both from the venv, with a job's variables set
+    mxps = installed_script("mxps", first.bindir)
     t0 = time.monotonic()
     ran = run([mxps] + SMALL_BENCH + ["--no-plots", "--out-dir", "out"], env, cwd=cwd,
               timeout=400, profile_imports=False)
@@ -420,30 +378,24 @@ def test_from_a_wheel_mxps_patch_applies_and_a_small_bench_runs_native_and_mxps_
     for rank in (0, 1):
         assert os.path.isfile(os.path.join(
             cwd, "out", "metrics-loopback-mxps-default-%d.jsonl" % rank))
-    print("wheel test seconds: build %.1f, venv + install %.1f, bench %.1f"
-          % (v.seconds["build"], v.seconds["install"], bench_seconds))
+    print("small bench from the install: %.1f s" % bench_seconds)
+
+
+def test_without_matplotlib_plots_are_refused_up_front_not_after_a_run(scheduler_port,
+                                                                        tmp_path):
+    """The wheel does not bring matplotlib (the examples' extra does): a bench that would plot
+    and ``mxps plot`` say so before any job starts."""
+    code = ("import sys; sys.modules['matplotlib'] = None; "
+            "from mxps_tools.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = job_vars("server", scheduler_port.port)
+    for args in (SMALL_BENCH + ["--out-dir", "refused"], ["plot", "m.jsonl"]):
+        ran = run([sys.executable, "-c", code] + args, env, cwd=str(tmp_path))
+        assert ran.returncode == 2 and "needs matplotlib" in ran.stderr, ran.describe()
+        assert_not_a_role(ran, scheduler_port)
+    assert not os.path.exists(tmp_path / "refused")
 
 
 # --------------------------------------------------------------------------- the README
-
-def readme_commands():
-    """The shell commands of README.md's ```bash blocks, in order."""
-    with open(os.path.join(REPO, "README.md")) as f:
-        return [b.strip() for b in re.findall(r"```bash\n(.*?)\n```", f.read(), re.S)]
-
-
-def newcomer_env():
-    """This environment as a new user's shell has it: no virtualenv active, nothing of the
-    test run on the paths."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")
-           and not k.startswith(("DMLC_", "MXPS_", "PYTEST_"))}
-    venv = os.environ.get("VIRTUAL_ENV") or sys.prefix
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p and not os.path.realpath(p).startswith(
-                                      os.path.realpath(venv) + os.sep))
-    return env
-
 
 def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
     first, second = readme_commands()[:2]
@@ -453,41 +405,3 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = f.read()
     assert "blocks[1]" in ci and 'bash -c "$cmd"' in ci, ci
-
-
-@pytest.mark.netns
-def test_the_readmes_first_command_runs_verbatim_in_a_fresh_clone_from_its_root(tmp_path):
-    command = readme_commands()[0]
-    clone = str(tmp_path / "mxps")
-    try:
-        _must(run(["git", "clone", "--quiet", "--no-hardlinks", REPO, clone], timeout=120,
-                  profile_imports=False), "git clone")
-        t0 = time.monotonic()
-        proc = subprocess.Popen(["bash", "-c", command], cwd=clone, env=newcomer_env(),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=1500)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)     # the bench removes its namespaces
-            try:
-                stdout, stderr = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                stdout, stderr = proc.communicate()
-        seconds = time.monotonic() - t0
-        out = "exit %s after %.0f s\n--- stdout (tail)\n%s\n--- stderr (tail)\n%s" % (
-            proc.returncode, seconds, stdout[-6000:], stderr[-6000:])
-        assert proc.returncode == 0, out
-        with open(os.path.join(clone, "mxps-bench-out", "bench.json")) as f:
-            summary = json.load(f)
-        names = [r["name"] for r in summary["systems"]]
-        assert {"native", "native-p3", "mxps-default", "mxps-adaptive"} <= set(names), names
-        for r in summary["systems"]:
-            assert r["ok"], "%s: %s\n%s" % (r["name"], r.get("reason"), out)
-            assert r["workers"] and all(w["step_seconds"] for w in r["workers"]), (r, out)
-        # the venv's mxps is the one built from the clone, with its compiled kernels
-        assert "mxps-adaptive" in stdout, out
-        print("README's first command: %.0f s from a fresh clone" % seconds)
-    finally:
-        shutil.rmtree(clone, ignore_errors=True)
