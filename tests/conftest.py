@@ -16,7 +16,7 @@ the job runner nor psutil.
 
 The README's first command (``readme_first_command``, tests/readme_run.py) takes minutes,
 mostly waiting on slow emulated links: when a selected test uses it, it starts in the
-background as soon as the tests are collected, and those tests wait for its result.
+background as soon as the tests are collected, and the tests that read its result run last.
 """
 import itertools
 import os
@@ -126,6 +126,9 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError("%s: its file has no tier in tests/conftest.py FILE_TIERS"
                                     % item.nodeid)
         item.add_marker(tier)
+    # the tests that wait for the README's first command go last: it runs meanwhile
+    items[:] = [i for i in items if FIRST_COMMAND not in getattr(i, "fixturenames", ())] + \
+        [i for i in items if FIRST_COMMAND in getattr(i, "fixturenames", ())]
 
 
 def pytest_collection_finish(session):

@@ -44,6 +44,38 @@ def test_a_run_that_leaves_the_netns_tier_out_needs_no_root(tiers, monkeypatch):
     result.assert_outcomes(passed=1, deselected=1)
 
 
+def test_the_tests_that_read_the_readmes_first_command_are_collected_last(tiers):
+    tiers.makepyfile(test_a="""
+import pytest
+
+@pytest.fixture
+def readme_first_command():
+    return None
+
+@pytest.fixture
+def read_it(readme_first_command):
+    return readme_first_command
+
+@pytest.mark.unit
+def test_reads_it(read_it):
+    pass
+
+@pytest.mark.unit
+def test_first():
+    pass
+""", test_b="""
+import pytest
+
+@pytest.mark.unit
+def test_second():
+    pass
+""")
+    # (--collect-only: the command itself never starts)
+    result = tiers.runpytest_inprocess("-p", "no:cacheprovider", "--collect-only", "-q")
+    ids = [ln for ln in result.stdout.lines if "::" in ln]
+    assert ids == ["test_a.py::test_first", "test_b.py::test_second", "test_a.py::test_reads_it"]
+
+
 def test_a_test_in_two_tiers_is_refused(tiers):
     tiers.makepyfile(test_two="""
 import pytest
