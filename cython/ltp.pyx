@@ -133,7 +133,7 @@ DEF STAMP_SPACE = 64            # control bytes per message: CMSG_SPACE(16) is 3
 # The last socket the twin's ``check_socket`` passed (a socket's family and type never change):
 # a worker or a server calls these functions on one socket, thousands of times a second, and
 # the check reads ``sock.family`` and ``sock.type`` through Python's enum conversions (measured
-# with cProfile, issue #11: 5% of a worker's I/O thread).
+# with cProfile: 5% of a worker's I/O thread).
 cdef object _ok_socket = None
 
 

@@ -1,4 +1,4 @@
-"""DRPS's benchmark (issue #12): a wide embedding on the servers' disks against the same job in
+"""DRPS's benchmark: a wide embedding on the servers' disks against the same job in
 their memory.
 
     flock /tmp/mxps-bench.lock python -m mxps_tools.drps_bench --rows 16777216 --cols 64 \\

@@ -1,4 +1,4 @@
-"""Label noise for the noise study (issue #13, ``mxps study noise``): pure numpy, no MXNet.
+"""Label noise for the noise study (``mxps study noise``): pure numpy, no MXNet.
 
 Two kinds of noise, as the seed study defines them, applied to the *training* labels only:
 

@@ -1,4 +1,4 @@
-"""One node of a noise-study run (issue #13, ``mxps study noise``, mxps_tools.study_noise).
+"""One node of a noise-study run (``mxps study noise``, mxps_tools.study_noise).
 
 Run as every node of a job (``mxps_tools.jobs.Job``); on a scheduler or server node the import
 of mxps takes the role over and the training code is never reached::

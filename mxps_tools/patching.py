@@ -11,7 +11,7 @@ allowed, no fuzz / exactly the patched content / anything else, refused with the
 before anything is written), an idempotent apply, a byte-identical revert, check/status exit
 codes, and an atomic write per file (temp file in the same directory + ``os.replace``).
 
-Why a small applier of our own rather than a library or GNU ``patch`` (issue #8, item 6; tried
+Why a small applier of our own rather than a library or GNU ``patch`` (tried
 on copies of the two MXNet files and on small ``diff -u`` outputs):
 
 * patch-ng 1.19.1 (``PatchSet.apply/revert``): with a hand-edited ``mxnet/model.py`` it still

@@ -70,7 +70,7 @@ SYSTEMS = ("tcp", "ltp-rescale", "ltp-zero")
 MODELS = ("mlp", "cnn")
 DEFAULT_LOSSES = (0.0, 1.0, 5.0, 10.0)
 DEFAULT_SEEDS = (1, 2, 3)
-#: loss % -> how far (percentage points) LTP's mean may fall below TCP's (issue #11)
+#: loss % -> how far (percentage points) LTP's mean may fall below TCP's
 TARGETS = {1.0: 0.5, 5.0: 0.5, 10.0: 1.0}
 DEFAULT_JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "tests", "jobs", "digits_job.py")

@@ -1,4 +1,4 @@
-"""The label-noise scalability study (issue #13): ``mxps study noise``.
+"""The label-noise scalability study: ``mxps study noise``.
 
     flock /tmp/mxps-bench.lock mxps study noise --out /tmp/noise-study
     mxps study noise --quick --out /tmp/noise-quick

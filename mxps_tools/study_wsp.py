@@ -1,4 +1,4 @@
-"""WSP's time-to-accuracy study on scikit-learn's digits (issue #12, "Proof required: WSP").
+"""WSP's time-to-accuracy study on scikit-learn's digits.
 
     flock /tmp/mxps-bench.lock python -m mxps_tools.study_wsp --out /tmp/wsp-study \\
         --plot docs/bench/wsp_accuracy.png --json docs/bench/wsp_study.json

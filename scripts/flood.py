@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Flood one server of a running mxps job and watch its memory (issue #9, item 4).
+"""Flood one server of a running mxps job and watch its memory.
 
 A real 2 x 2 job (tests/jobs/train_job.py, SGD with the optimizer on the servers, the job
 secret set) trains while 4 sender processes flood one of its servers for ``--seconds`` each

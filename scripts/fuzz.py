@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Live fuzzer: garbage at a running mxps job's scheduler and servers while it trains.
 
-Issue #9, item 3 ("garbage never kills"): a real 2 x 2 job (tests/jobs/train_job.py, SGD with
+Garbage never kills: a real 2 x 2 job (tests/jobs/train_job.py, SGD with
 the optimizer on the servers, the job secret set) trains while a fuzzer process sends random,
 mutated, truncated and oversized messages to the scheduler's port and every server's port, in
 two modes, one after the other:

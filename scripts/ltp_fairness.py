@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Does a concurrent TCP flow keep a fair share next to LTP? (issue #11, part 5: "measure it")
+"""Does a concurrent TCP flow keep a fair share next to LTP? Measured.
 
     flock /tmp/mxps-bench.lock python scripts/ltp_fairness.py --out ltp_fairness.json
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How fast a server takes LTP's gradient packets: Gbit/s received and summed per core, on
-loopback (issue #11, part 6; target >= 1 Gbit/s per core of the receiver).
+loopback (target >= 1 Gbit/s per core of the receiver).
 
 One sender process sends DATA packets of a float32 gradient slice (64 MB by default) as fast as
 its window allows, round after round, at one receiver process that runs the server's real code

@@ -1,4 +1,4 @@
-"""Step time vs loss for the systems of an `mxps bench --scenario incast` series (issue #11).
+"""Step time vs loss for the systems of an `mxps bench --scenario incast` series.
 
     python scripts/ltp_loss_plot.py OUT.png DIR_LOSS0 DIR_LOSS0.1 ... [--json SUMMARY.json]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Which storage engine and which cache policy ``mxps.store.rows.DiskRows`` uses, measured
-(issue #12, part 2; results in docs/STORE.md).
+(results in docs/STORE.md).
 
 ``engines``: one table of ~1 GiB (rows of 64 float32 plus 2 optimizer states, Adam's shape:
 768-byte records, 1.4 M rows) behind the same RAM cache (``CachedRows``, 1/8 of the table,

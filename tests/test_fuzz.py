@@ -1,4 +1,4 @@
-"""Garbage never kills, memory stays bounded (issue #9, items 3 and 4).
+"""Garbage never kills, memory stays bounded.
 
 Four layers, cheapest first:
 

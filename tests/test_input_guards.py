@@ -1,4 +1,4 @@
-"""Inputs refused where they cannot work, and every dtype that can work, working (issue #9).
+"""Inputs refused where they cannot work, and every dtype that can work, working.
 
 The worker refuses before anything is sent: an array off the CPU (mxps reads and writes host
 memory in place), a dtype the wire does not carry, an integer key with the optimizer on the

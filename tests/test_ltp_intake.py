@@ -1,4 +1,4 @@
-"""The server's packet intake (``kernels.ltp.intake`` and the state it changes), issue #11.
+"""The server's packet intake (``kernels.ltp.intake`` and the state it changes).
 
 - The compiled cores (``_ltp.PathCore``, ``ShareCore``, ``RoundCore``) change their state
   exactly as their pure-Python twins in ``ltp_py`` do, on any sequence of inputs (hypothesis):

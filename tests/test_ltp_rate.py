@@ -566,7 +566,7 @@ def test_bookkeeping_holds_under_any_order_of_sends_acks_and_losses(ops, initial
 # --- a ceiling from outside (the server's grant, ltp.share) ---------------------------------
 
 def test_a_ceiling_below_the_path_does_not_lower_the_estimate_and_lifting_it_paces_at_once():
-    # issue #11: held at a server's grant, a path's samples measured the grant; btl_bw fell to
+    # held at a server's grant, a path's samples measured the grant; btl_bw fell to
     # it, and when the grant rose the path needed a probe cycle (8 round trips) per 25%
     rate, delay, lift, T = 50e6, 0.001, 0.3, 0.36
     net = Bottleneck(rate, delay, seed=0)
@@ -604,7 +604,7 @@ def test_a_ceiling_above_the_model_changes_nothing():
 def test_a_sender_pumped_every_few_milliseconds_keeps_its_pacing_rate(every):
     # the worker's I/O loop sleeps whole milliseconds and wakes late on a busy machine: with a
     # credit of 1 ms a path pumped every 2-3 ms sent a third to a half of its pacing rate
-    # (issue #11; measured there: 25-31%).  No ACKs here: the pacing stays the known rate.
+    # (measured: 25-31%).  No ACKs here: the pacing stays the known rate.
     from mxps.ltp.sender import PUMP_CREDIT
 
     def fraction_sent(burst):

@@ -93,7 +93,7 @@ def test_workers_silent_for_longer_than_active_do_not_count():
 
 def test_windows_with_less_to_send_do_not_lower_the_capacity():
     # a push phase fills the link, then a backward pass hands out gradients a few at a time
-    # (issue #11: the median of such windows was taken for the link, and the grant cut from it
+    # (the median of such windows was taken for the link, and the grant cut from it
     # kept the next push phases at it)
     s = Share(3)
     end = _feed(s, range(3), 50e6 / 3, 0.3)
@@ -189,7 +189,7 @@ def test_a_read_after_the_server_paused_counts_its_bytes_in_the_window_they_came
                                                                                      pause):
     # the link delivers 20 MB/s; the server reads every 1 ms but pauses ``pause`` ms in every
     # ``period`` (a busy CPU) and then reads the backlog at once: each window still holds what
-    # came within it (issue #11: a read after a pause that crossed a window's end counted the
+    # came within it (once, a read after a pause that crossed a window's end counted the
     # pause's bytes in the next window: here windows of 30-44 MB/s, and the capacity with them)
     s = Share(1)
     t, last = 0.0, 0.0
@@ -232,7 +232,7 @@ def _backlogged_reads(s, link, seconds, batch=64, nbytes=9000, pause=(50, 20), h
 
 
 def test_reads_that_leave_a_backlog_do_not_start_a_window_so_catching_up_is_not_the_link():
-    # issue #11: the server read 64 datagrams per call and fell behind its 50 MB/s link at
+    # the server once read 64 datagrams per call and fell behind its 50 MB/s link at
     # times; windows that began at a full read counted the backlog it left, i.e. how fast the
     # server caught up: the capacity was 72 MB/s, the grants 1.45x the link, 13-17% of the
     # packets dropped by the switch queue with no random loss

@@ -1,4 +1,4 @@
-"""No peer's bytes run code in a server (issue #9, part B): data travels as typed payloads.
+"""No peer's bytes run code in a server: data travels as typed payloads.
 
 A crafted pickle whose ``__reduce__`` creates a file is sent as the payload of every message
 type to an in-process ``ServerState``, from worker 1 and from worker 0 (and as a MIGRATE part

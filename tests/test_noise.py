@@ -1,4 +1,4 @@
-"""The noise study (issue #13): the label-noise generators (mxps_tools.noise), the study's
+"""The noise study: the label-noise generators (mxps_tools.noise), the study's
 arithmetic (mxps_tools.study_noise) and one real 2-worker study cell, k = 1 and k = 4."""
 import gzip
 import json

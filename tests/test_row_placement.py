@@ -1,4 +1,4 @@
-"""mxps.placement.rows: placing a sparse table's rows by bandwidth and by cache (issue #12)."""
+"""mxps.placement.rows: placing a sparse table's rows by bandwidth and by cache."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st

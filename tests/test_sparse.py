@@ -5,7 +5,7 @@ arrays they stand for; a server's sparse rounds against MXNet's own lazy update 
 table; whole jobs (tests/jobs/sparse_job.py: an embedding bag over digits, 2 workers x 2
 servers) against a one-process reference that sums the workers' gradients and steps once, as
 a synchronous parameter server does (native MXNet 1.9.1's dist_sync is no reference here: its
-server crashed on this model, see issue #12).
+server crashed on this model).
 """
 import pickle
 import re

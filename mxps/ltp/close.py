@@ -16,8 +16,8 @@ the first of:
    packet or END): a slow path's tail is not waited for.
 
 A worker from which nothing has arrived holds the round open: a worker that computes slowly is
-a straggler, not a lossy link, and LTP does not drop stragglers (that is WSP's business,
-issue #12); its END is reliable, so it is heard as soon as it has sent, and if it is dead the
+a straggler, not a lossy link, and LTP does not drop stragglers (that is WSP's business);
+its END is reliable, so it is heard as soon as it has sent, and if it is dead the
 scheduler's heartbeat check ends the job.
 
 Both thresholds adapt to what the server measured:

@@ -51,7 +51,7 @@ without it they delivered 1.15 x (1 - p) of it, nothing more from 13% loss on),
 and a full link sees 1.5 ms of queue per probe and its average
 (a continuous 10% margin would overrun a full link by 9% all the time: with it, and reads
 counted where they happened, the incast benchmark delivered 76% of its packets in time, 93%
-before issue #11).  Pure: every method takes ``now``.
+without the margin).  Pure: every method takes ``now``.
 """
 import heapq
 from collections import deque

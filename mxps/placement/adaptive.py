@@ -218,7 +218,7 @@ class Replanner:
     def __init__(self, num_servers, num_workers, rates=None, window=3, one_round=True):
         import collections
         # one_round=False: a change needs two rounds (DRIFT) and the changed round is not
-        # measured by its second half (the rule before issue #10; kept for ablations)
+        # measured by its second half (the earlier rule; kept for ablations)
         self.jump = self.JUMP if one_round else math.inf
         self.num_servers = num_servers
         self.num_workers = num_workers

@@ -1,4 +1,4 @@
-"""Placing the rows of a row-sparse table over servers by two objectives (issue #12, part 3):
+"""Placing the rows of a row-sparse table over servers by two objectives:
 the servers' bandwidth and their disk caches.  A pure function; docs/STORE.md says how it is
 meant to be used.
 

@@ -7,5 +7,5 @@ numbers only through that small interface.
 
 ``rows`` holds tables of rows with their optimizer state (``MemoryRows``, and ``DiskRows``: one
 file per table behind a RAM cache with a byte budget, the disk being a checkpoint), the store
-behind DRPS (issue #12, docs/STORE.md); ``rows_cache`` its eviction policies.
+behind DRPS (docs/STORE.md); ``rows_cache`` its eviction policies.
 """

@@ -1,4 +1,4 @@
-"""One slice of one key in a row store (``MXPS_STORE=disk``; docs/STORE.md, issue #12).
+"""One slice of one key in a row store (``MXPS_STORE=disk``; docs/STORE.md).
 
 A server slice covers elements [offset, offset + length) of a key whose rows (indices of its
 first axis) have ``cols`` elements.  On disk it is a table of whole rows: the rows the slice

@@ -1,4 +1,4 @@
-"""Tables of rows and their optimizer state, as a server updates them (issue #12; docs/STORE.md).
+"""Tables of rows and their optimizer state, as a server updates them (docs/STORE.md).
 
 A server holds, per key slice, ``n_rows`` rows of ``cols`` elements plus ``n_states`` optimizer
 state arrays shaped like the weight rows (SGD 0, momentum 1, Adam 2).  A round's update is

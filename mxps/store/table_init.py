@@ -1,4 +1,4 @@
-"""A table's initial value as a rule, not as data (issue #12: tables larger than memory).
+"""A table's initial value as a rule, not as data (for tables larger than memory).
 
 ``TableInit(shape, scale, seed)`` stands for the array whose element ``g`` (flat index) is
 uniform in ``[-scale, scale)``, computed from ``(seed, g)`` alone by the splitmix64 hash: any

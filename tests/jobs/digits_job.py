@@ -1,5 +1,5 @@
 """Train a small model on scikit-learn's digits to convergence and report its test accuracy
-(issue #11's accuracy study, ``mxps_tools.study_ltp``; tests/test_study_ltp.py).
+(LTP's accuracy study, ``mxps_tools.study_ltp``; tests/test_study_ltp.py).
 
 Run it as every node of a job (``mxps_tools.jobs.Job`` / tests/cluster.py's ``run_job``): on a
 scheduler or server node the import of mxps takes the role over and the training code is never
