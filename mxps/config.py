@@ -349,7 +349,7 @@ def default_max_chunk(num_workers):
     chunk is complete: both grow with W x chunk.  Smaller chunks cost a round each (an END, a
     close, an optimizer call and W pulls), so they stop at 256 KB (64 Ki elements; the
     smallest slice LTP takes, ``MXPS_LTP_MIN_BYTES``, is 64 KB).  Measured
-    (docs/bench/RESULTS.md): 8 workers -> 1 server, a 3.1 MB key, 0% loss, mxps-ltp:
+    (docs/bench/ltp_chunk_size.json): 8 workers -> 1 server, a 3.1 MB key, 0% loss, mxps-ltp:
     1 MB chunks 0.806 s/step, 512 KB 0.704, 256 KB 0.663 (floor 0.547)."""
     return max(65536, min(262144, 524288 // max(1, int(num_workers))))
 

@@ -490,7 +490,7 @@ class ShareCore:
           the link idle, not carrying less.  Counted, it made every window of a job of small
           pushes a mix of both (rounds of 8 x 50 KB with the round trip between them: a
           capacity of 75-92% of the link), and the grant cut from it made the next rounds
-          longer still (docs/bench/RESULTS.md).
+          longer still.
         - The first ``TRAIN_SKIP`` of a busy time does not count (its first packet was sent
           before its stamp): a link idle for a while lets a burst through at once (a token
           bucket full of tokens, a NIC's coalesced interrupt; the emulated switch's tbf:

@@ -58,7 +58,7 @@ def grace_for(grace, reordered_at, now, memory=REORDER_MEMORY):
     seen): the grace waits for packets behind an END, and on a path that keeps order (one
     queue, FIFO: this project's emulated switch, most single-path networks) there are none, so
     at every round with a loss a fixed grace was pure delay (2 ms: a quarter of an 8 x 50 KB
-    round at 400 Mbit/s; docs/bench/RESULTS.md)."""
+    round at 400 Mbit/s; docs/bench/ltp_push_alone_grace_copies_grant.json)."""
     if reordered_at is None:
         return grace
     return grace if now - reordered_at < memory else 0.0

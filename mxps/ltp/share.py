@@ -147,7 +147,7 @@ class Share(ShareCore):
         The startup: the job's first samples come from phases in which a few workers had
         begun, or whose busy time held a round's tail, and the capacity (the grant) began far
         under the link (the push alone, 8 x 50 KB at 10% loss: 11-44 MB/s of 48.6 over 14
-        traced runs, docs/bench/RESULTS.md); from there a probe at 1.15 raises it 15% per two
+        traced runs); from there a probe at 1.15 raises it 15% per two
         probes (80 ms of busy time), and the first 50 rounds took 1.6-1.8x the later ones.  So,
         as BBR's STARTUP, until ``STARTUP_ROUNDS`` samples in a row have not raised the capacity
         ``STARTUP_GROWTH``-fold, the grant's gain is ``STARTUP_GAIN`` in every phase and the
@@ -252,8 +252,8 @@ class Share(ShareCore):
         leaves its share to the others: the last of a round's pushers get the link, so the
         round ends when its bytes are in, not when a late starter has sent them at an
         eighth of the link (measured, the push alone, 8 x 50 KB at 10% loss: the last worker
-        started 2.4 ms after the first and its last packet came 10-11 ms into an 8.6 ms round,
-        docs/bench/RESULTS.md).  A round's workers all owe it from its first packet on, those
+        started 2.4 ms after the first and its last packet came 10-11 ms into an 8.6 ms round).
+        A round's workers all owe it from its first packet on, those
         not yet heard too, so its start is shared by all (measured and reverted: a
         worker active only while it sent gave the first pusher the link and overran the
         queue when the others came).

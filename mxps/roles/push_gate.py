@@ -6,7 +6,7 @@ order their gradients happened to arrive, and that order differs between workers
 backward was still running, the last layers' gradients came first; where it had finished,
 MXNet's priorities did.  A slice that some workers send first and others last completes only
 at the end of the round, and its pulls then share the server's link with the last chunk's:
-the round's tail doubles (measured: docs/bench/RESULTS.md).
+the round's tail doubles (measured: docs/bench/ltp_gather_critical_first.json).
 
 The gate holds the round's first pushes until the canonical next one (the highest-ranked push
 to that server the previous round had that has not gone yet) is the one at the head of the

@@ -1232,7 +1232,7 @@ class ServerState:
         """``on_packet`` without handing back the ``Out``s: a server that reads its packets in
         batches calls ``outs()`` once after each batch, not a flush and a send per packet
         (with the receiver's loop made inline, 2.8% of a packet's server time at MTU 1500:
-        scripts/ltp_loopback.py, docs/bench/RESULTS.md)."""
+        scripts/ltp_loopback.py)."""
         self._ltp_now = now
         try:
             self._on_packet(f, payload, now)
