@@ -23,6 +23,9 @@ EXTENSIONS = [
     Extension("mxps.kernels._ltp", ["cython/ltp.pyx"], extra_compile_args=["-O2"]),
 ]
 
+EXAMPLES = ["scikit-learn<1.8", "scipy<1.16", "gluoncv==0.10.5.post0", "pandas<3",
+            "opencv-python<4.12", "matplotlib<3.11", "tqdm"]
+
 setup(
     name="mxps",
     version=_read_version(),
@@ -50,10 +53,12 @@ setup(
         "tabulate>=0.9",
     ],
     extras_require={
-        # the main job (digits example) and the benchmark
-        "examples": ["scikit-learn", "gluoncv==0.10.5.post0", "matplotlib", "tqdm"],
-        "test": ["pytest", "hypothesis", "scikit-learn", "gluoncv==0.10.5.post0",
-                 "matplotlib", "tqdm"],
+        # the main job (digits example) and the benchmark.  The upper bounds are the last
+        # releases that still run on numpy<1.24 (directly, or through gluoncv for pandas and
+        # opencv-python): without them pip downloads every newer release (~500 MB) only to
+        # reject it for its numpy requirement.
+        "examples": EXAMPLES,
+        "test": ["pytest", "hypothesis"] + EXAMPLES,
     },
     entry_points={
         "console_scripts": [
