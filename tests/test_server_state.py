@@ -86,6 +86,19 @@ def counts(state):
     return state.updater.optimizer._index_update_count
 
 
+def test_a_large_init_is_stored_in_blocks_calling_progress_between_them():
+    """Copying a slice of GBs into the stored value takes seconds: the server's ``progress``
+    (its heartbeat) is called between blocks, not once after the whole copy."""
+    from mxps.store.memory import MemorySlice
+    calls = []
+    s = ServerState(0, 1, True, progress=lambda: calls.append(1))
+    value = np.arange(3 * MemorySlice.COPY_BLOCK + 5, dtype=np.float32)
+    only(send(s, MsgType.INIT, 9, value=value), MsgType.ACK)
+    assert len(calls) >= 4
+    got = value_of(only(send(s, MsgType.PULL, 9, w=0, it=0, length=value.size)))
+    np.testing.assert_array_equal(got, value)
+
+
 # --- rounds ----------------------------------------------------------------------------------
 
 def test_a_round_is_the_sum_of_all_workers_pushes_then_one_optimizer_update():
