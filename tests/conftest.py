@@ -149,7 +149,7 @@ def pytest_sessionfinish(session):
 def readme_first_command(request):
     """The README's first command, run verbatim in a fresh clone (tests/readme_run.py)."""
     background = request.config.stash.get(_BACKGROUND, None)
-    if background is None:          # selected after collection (it needs the netns tier)
+    if background is None:          # not started at collection (no other hook ran): now
         import readme_run
         background = request.config.stash[_BACKGROUND] = readme_run.Background()
     return background.result()

@@ -9,8 +9,8 @@ It takes about three minutes, most of it the bench's runs on links of 100-400 Mb
 leave the machine's cores mostly idle.  So the session starts it in the background as soon as
 the tests are collected, when a selected test uses it (``conftest.py``), and the tests that read
 its result wait for it: the README test, the tests of what the install holds
-(tests/test_install.py) and of the static bench's report (tests/test_bench.py).  The clone
-(with its ~600 MB venv) is removed at the end of the session.
+(tests/test_install.py) and of the static bench's report (tests/test_bench.py).  The clone,
+with its venv, is removed at the end of the session.
 """
 import dataclasses
 import json

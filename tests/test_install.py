@@ -260,7 +260,7 @@ def test_mxps_patch_checks_applies_and_reverts_with_a_jobs_variables_set(
     assert out.count(real) == n, out
 
 
-# --------------------------------------------------------------------------- as a newcomer installs it
+# --------------------------------------------------------------------------- a newcomer's install
 
 def _must(ran, what):
     assert ran.returncode == 0, "%s failed:\n%s" % (what, ran.describe())

@@ -50,9 +50,9 @@ PUMP_CREDIT = 0.004
 # A path held back by its pacing (or its window) is pumped again no sooner than this later
 # (MXPS_LTP_QUANTUM), or half its pacing credit if that is shorter, so that a fast path loses
 # no rate to it: the credit then sends what came due meanwhile in one call.  Waking for
-# the next single packet made the I/O loop a main cost of the worker: measured
-# (resnet18, 3 x 3, MTU 1500, docs/bench/ltp_resnet18_mtu1500.json), 85% of its ~950 turns a second found a
-# packet already due and pumped ~8 packets, and a turn costs its Python whatever it sends
+# the next single packet made the I/O loop a main cost of the worker: measured (resnet18,
+# 3 x 3, MTU 1500, docs/bench/ltp_resnet18_mtu1500.json), 85% of its ~950 turns a second
+# found a packet already due and pumped ~8 packets, and a turn costs its Python whatever it sends
 # (15.5 us of the I/O thread's CPU per packet sent; with the quantum ~400 turns a second,
 # 11.3 us).  Linux's TCP paces bursts of ~1 ms of data too (TSO autosizing, sk_pacing_shift).
 # The loop sleeps whole milliseconds rounded up (roles.worker), so 1 ms here is a 1-2 ms sleep.
