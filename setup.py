@@ -48,6 +48,8 @@ setup(
         # mxnet 1.9.1 uses np.bool and friends, removed in numpy 1.24.
         "numpy>=1.17,<1.24",
         "pyzmq>=22",
+        # the data plane's AES-256-GCM and HKDF with a job secret (mxps.wire.seal): OpenSSL
+        "cryptography>=46",
         # the tools: process CPU and sockets of jobs (mxps_tools.jobs), the bench's tables
         "psutil>=5.9",
         "tabulate>=0.9",

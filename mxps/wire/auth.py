@@ -1,14 +1,18 @@
-"""Who may talk to an mxps node: zmq CURVE with keys derived from the job secret.
+"""Who may talk to an mxps node: handshakes with keys derived from the job secret.
 
 Every node of a job knows the secret (MXPS_SECRET or MXPS_SECRET_FILE).  From it each derives
-the same two CURVE key pairs: the *server* pair, which every listening socket (the scheduler's,
-each server's) proves it holds, and the *client* pair, which every connecting socket proves it
-holds.  A peer without the secret cannot finish the handshake: it cannot open the listener's
-boxes (so it learns nothing) and the ZAP handler here admits no client key but the job's.  zmq
-delivers no message from a connection whose handshake failed, so nothing above the transport
-ever sees a byte from an unauthenticated peer, and every message after the handshake is
-encrypted and authenticated with per-connection keys and nonces (a replayed or altered frame
-breaks the connection).  Why CURVE rather than a tag per frame: docs/SECURITY.md (measured).
+the same two CURVE key pairs and a data key.  The scheduler's socket is a CurveZMQ server: it
+proves it holds the *server* pair and every node's socket proves it holds the *client* pair.
+The servers' data sockets take a PLAIN handshake whose password is a one-time token, an HMAC
+under the data key (``DataGate``; the messages on them are sealed by ``mxps.wire.seal``).
+
+On the scheduler's socket a peer without the secret cannot finish the handshake: it cannot
+open the listener's boxes (so it learns nothing) and the ZAP handler here admits no client key
+but the job's.  zmq delivers no message from a connection whose handshake failed, so nothing
+above the transport ever sees a byte from an unauthenticated peer, and every message after the
+handshake is encrypted and authenticated with per-connection keys and nonces (a replayed or
+altered frame breaks the connection).  On a data socket a peer without the secret cannot make a token, so it
+is refused in the same way.  Why the data plane is not CURVE: docs/SECURITY.md (measured).
 
 Refusals are logged on the refusing side with the peer's address: ZAP requests carry it; a
 handshake that fails before ZAP is consulted (wrong server key, no CURVE at all) is seen on the
@@ -19,6 +23,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import queue
 import socket
 import threading
@@ -33,26 +38,32 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"     # fixed by the ZAP specification (RF
 _PERSON_SECRET = b"mxps-job-secret"
 _PERSON_SERVER = b"mxps-server-key"
 _PERSON_CLIENT = b"mxps-client-key"
+_PERSON_DATA = b"mxps-data-key"
+_TOKEN = b"mxps data plane token v1"
+_NODE = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")
 
 # protocol error codes libzmq reports in HANDSHAKE_FAILED_PROTOCOL events
 _MECHANISM_MISMATCH = 0x11000002
 _CRYPTOGRAPHIC = 0x11000001
 
 
-def _secret_key(secret, person):
-    """A CURVE secret key (z85): keyed BLAKE2b of the job secret, one ``person`` per key pair.
-    The secret is first hashed to 64 bytes (BLAKE2b's key size limit); any 32 bytes are a
-    valid Curve25519 secret key."""
+def _derived(secret, person):
+    """32 bytes of keyed BLAKE2b of the job secret, one ``person`` per use.  The secret is first
+    hashed to 64 bytes (BLAKE2b's key size limit)."""
     key = hashlib.blake2b(secret, digest_size=64, person=_PERSON_SECRET).digest()
-    raw = hashlib.blake2b(b"", key=key, digest_size=32, person=person).digest()
-    return zmq.utils.z85.encode(raw)
+    return hashlib.blake2b(b"", key=key, digest_size=32, person=person).digest()
+
+
+def _secret_key(secret, person):
+    """A CURVE secret key (z85); any 32 bytes are a valid Curve25519 secret key."""
+    return zmq.utils.z85.encode(_derived(secret, person))
 
 
 class Credentials:
     """The job's two CURVE key pairs, derived from the secret (bytes, not empty)."""
 
     __slots__ = ("server_public", "server_secret", "client_public", "client_secret",
-                 "client_public_raw", "domain")
+                 "client_public_raw", "domain", "data_key")
 
     def __init__(self, secret):
         if not secret:
@@ -65,6 +76,8 @@ class Credentials:
         # the ZAP domain names the job's keys, so one process may serve several secrets
         # (tests); it is derived from a public key, which reveals nothing
         self.domain = b"mxps-" + self.client_public[:10]
+        # the data plane's (mxps.wire.seal) tokens and session keys come from this one
+        self.data_key = _derived(secret, _PERSON_DATA)
 
     def __repr__(self):
         return "Credentials(<derived from the job secret>)"
@@ -82,10 +95,57 @@ class Credentials:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.client_public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.client_secret)
 
-    def admits(self, mechanism, credentials):
+    refusal = "its client key is not the job's"
+
+    def admits(self, mechanism, credentials, address):
         """ZAP's question: may a client with these handshake credentials in?"""
         return (mechanism == b"CURVE" and len(credentials) == 1
                 and hmac.compare_digest(credentials[0], self.client_public_raw))
+
+    # -- the data plane's handshake -----------------------------------------------------------
+    def token(self, name, server_nonce, random):
+        """The PLAIN password of ``name``'s connection to a server process (named by its
+        nonce): the session's random bytes and an HMAC of all three under the data key."""
+        return random + hmac.new(self.data_key, b"\0".join(
+            (_TOKEN, name, server_nonce, random)), hashlib.sha256).digest()
+
+    def join_data(self, sock, name, server_nonce, random):
+        """Make ``sock`` (a DEALER not yet connected) a client of a server's data socket."""
+        sock.setsockopt(zmq.PLAIN_USERNAME, name)
+        sock.setsockopt(zmq.PLAIN_PASSWORD, self.token(name, server_nonce, random))
+
+
+class DataGate:
+    """Who may connect to one server's data socket (the ZAP side of its PLAIN handshake): a
+    node whose token verifies under the job's data key for this server process.  A token is
+    taken again only from the address that first used it (zmq reconnects with the same one
+    after a network hiccup), so one seen on the wire does not let anyone else in."""
+
+    refusal = "its token does not verify (a different MXPS_SECRET?)"
+
+    def __init__(self, creds, server_nonce):
+        self.creds = creds
+        self.server_nonce = server_nonce
+        self.domain = b"mxps-data-" + server_nonce.hex().encode()
+        self.used = {}                       # token random -> the address that used it
+
+    def serve(self, sock):
+        """Make ``sock`` (not yet bound) a PLAIN server asking this gate."""
+        sock.setsockopt(zmq.PLAIN_SERVER, 1)
+        sock.setsockopt(zmq.ZAP_DOMAIN, self.domain)
+
+    def admits(self, mechanism, credentials, address):
+        if mechanism != b"PLAIN" or len(credentials) != 2:
+            return False
+        name, password = credentials
+        if _NODE.match(name) is None or len(password) != 48:
+            return False
+        random = password[:16]
+        want = self.creds.token(name, self.server_nonce, random)
+        if not hmac.compare_digest(password, want):
+            return False
+        first = self.used.setdefault(random, address)
+        return first == address
 
 
 class Tally:
@@ -244,12 +304,13 @@ class Gatekeeper:
             return
         version, request_id, domain, address, _identity, mechanism = frames[:6]
         creds = self.domains.get(domain)
-        ok = creds is not None and creds.admits(mechanism, frames[6:])
+        ok = creds is not None and creds.admits(mechanism, frames[6:], address)
         if ok:
             self.admitted += 1
         else:
             self.refusals("zap:%s" % address.decode(errors="replace"),
                           "refused a connection from %s: %s", address.decode(errors="replace"),
+                          creds.refusal if creds is not None else
                           _handshake_reason(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400))
         self._zap.send_multipart([version, request_id, b"200" if ok else b"400",
                                   b"OK" if ok else b"not a node of this job", b"", b""])
@@ -370,4 +431,4 @@ class HandshakeWatch:
         self.sock.close(linger=0)
 
 
-__all__ = ["Credentials", "Gatekeeper", "HandshakeWatch", "Tally", "ZAP_ENDPOINT"]
+__all__ = ["Credentials", "DataGate", "Gatekeeper", "HandshakeWatch", "Tally", "ZAP_ENDPOINT"]
