@@ -9,10 +9,12 @@ time, in phases, with a pause between them:
   secret sends them (a NULL-mechanism greeting claiming the identity of worker 0, then PUSHes
   of 256 KiB gradients, PULLs, INITs, PROBEs), reconnecting whenever the server closes the
   connection, as fast as the senders can;
-- ``outsider``: with the secret, from connection identities that are no node of the job: the
-  same well-formed requests through zmq (CURVE), as fast as the server takes them;
-- ``slow``: with the secret, non-member clients that send PULLs and 1 MiB PROBEs (which a
-  server echoes to its workers) and never read a reply.
+- ``outsider``: with the secret, from connection identities that are no node of the job
+  (``worker:<n>`` beyond the job's workers, which the data plane's handshake lets through:
+  a name of a node's form and a token made with the secret): the same well-formed requests,
+  sealed as a node seals them (mxps.wire.seal), as fast as the server takes them;
+- ``slow``: the same, sending PULLs and 1 MiB PROBEs (which a server echoes to its workers)
+  and never reading a reply.
 
 The server's resident memory (RSS, psutil) is sampled every 0.5 s from before the first phase
 to after the last; reported per phase: the baseline (median of the samples just before), the
@@ -51,13 +53,14 @@ GAP_SECONDS = 5.0
 
 # =========================================================================== one sender
 #
-# A sender imports nothing of mxps (importing the runtime imports MXNet, which takes seconds
-# on a loaded machine): the run gives it a kit made with the runtime's own modules, the
-# requests' header frames and, for the modes with the secret, the job's client keys.
+# A sender of the plain mode imports nothing of mxps (importing the runtime imports MXNet,
+# which takes seconds on a loaded machine): the run gives it a kit made with the runtime's own
+# modules, the requests' header frames.  The modes with the secret seal their messages with
+# the runtime's data plane (mxps.wire.tcp, seal), reading the secret from the kit's file.
 
 def make_kit(path, secret_file):
     """Write the senders' kit: well-formed requests as a worker sends them (header frames,
-    payload sizes) and the CURVE keys derived from the job's secret."""
+    payload sizes) and where the job's secret is."""
     from mxps_tools import runtime
     wire = runtime.module("wire.frame")
     auth = runtime.module("wire.auth")
@@ -72,12 +75,10 @@ def make_kit(path, secret_file):
                 (H(T.PROBE), big)]
     slow = [(H(T.PULL, key=0, length=n, iteration=1), None), (H(T.PROBE), 1 << 20)]
     with open(secret_file, "rb") as f:
-        creds = auth.Credentials(f.read().strip())
+        auth.Credentials(f.read().strip())          # a secret the job can use
     kit = {"requests": [[h.pack().hex(), size] for h, size in requests],
            "slow": [[h.pack().hex(), size] for h, size in slow],
-           "keys": {"server_public": creds.server_public.decode(),
-                    "client_public": creds.client_public.decode(),
-                    "client_secret": creds.client_secret.decode()}}
+           "secret_file": secret_file}
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump(kit, f)
 
@@ -112,28 +113,27 @@ def send_plain(host, port, kit, until, stats):
             s.close()
 
 
-def send_zmq(host, port, kit, identity, until, stats, slow):
-    """zmq with the job's keys, a non-member identity: requests as fast as the server takes
-    them (``slow``: PULLs and PROBEs, and never a read)."""
+def send_zmq(host, port, kit, identity, nonce, seconds, stats, slow):
+    """The data plane with the job's secret, a non-member identity: sealed requests as fast as
+    the server takes them (``slow``: PULLs and PROBEs, and never a read)."""
     import zmq
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity)
+    from mxps_tools import runtime
+    tcp, auth = runtime.module("wire.tcp"), runtime.module("wire.auth")
+    with open(kit["secret_file"], "rb") as f:
+        settings = tcp.Settings(auth.Credentials(f.read().strip()))
+    sock = tcp.connect_data(host, port, settings, identity, nonce)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 1000)
-    keys = kit["keys"]
-    sock.setsockopt(zmq.CURVE_SERVERKEY, keys["server_public"].encode())
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys["client_public"].encode())
-    sock.setsockopt(zmq.CURVE_SECRETKEY, keys["client_secret"].encode())
-    sock.connect("tcp://%s:%d" % (host, port))
     stats["connections"] += 1
+    stats["started"] = time.time()            # after the imports
+    until = time.monotonic() + seconds
     msgs = _frames(kit["slow" if slow else "requests"])
     i = 0
     try:
         while time.monotonic() < until:
             m = msgs[i % len(msgs)]
             if sock.poll(100, zmq.POLLOUT):
-                sock.send_multipart(m, flags=zmq.DONTWAIT, copy=False)
+                sock.send_multipart(sock.seal.seal(m[0], m[1:]), flags=zmq.DONTWAIT,
+                                    copy=False)
                 stats["messages"] += 1
                 stats["bytes"] += sum(len(f) for f in m)
                 i += 1
@@ -149,7 +149,6 @@ def send_zmq(host, port, kit, identity, until, stats, slow):
                 stats["answers"] += 1
     finally:
         sock.close(0)
-        ctx.term()
 
 
 def send_main(args):
@@ -162,8 +161,9 @@ def send_main(args):
     if args.mode == "plain":
         send_plain(host, int(port), kit, until, stats)
     else:
-        send_zmq(host, int(port), kit, b"%s:%d" % (args.mode.encode(), os.getpid()), until,
-                 stats, slow=args.mode == "slow")
+        # a node's name beyond the job's workers (the server refuses each request of it)
+        send_zmq(host, int(port), kit, b"worker:%d" % (100 + os.getpid() % 100000),
+                 bytes.fromhex(args.nonce), args.seconds, stats, slow=args.mode == "slow")
     stats["ended"] = time.time()
     with open(args.json, "w") as f:
         json.dump(stats, f)
@@ -197,13 +197,14 @@ class RssWatch:
         return [v for t, v in self.samples[name] if t0 <= t <= t1]
 
 
-def spawn_senders(mode, target, seconds, kit, work, phase):
+def spawn_senders(mode, target, nonce, seconds, kit, work, phase):
     procs = []
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "MXPS_"))}
     for i in range(SENDERS):
         path = os.path.join(work, "%s-%d.json" % (phase, i))
         argv = [sys.executable, os.path.abspath(__file__), "send", "--mode", mode,
-                "--target", target, "--seconds", str(seconds), "--kit", kit, "--json", path]
+                "--target", target, "--nonce", nonce, "--seconds", str(seconds), "--kit", kit,
+                "--json", path]
         procs.append((path, subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                              start_new_session=True)))
@@ -245,7 +246,8 @@ def run(args):
                 if job.all_exited():
                     break
                 phase = {"mode": mode}
-                procs = spawn_senders(mode, target, args.seconds, kit, work, mode)
+                procs = spawn_senders(mode, target, victim.get("seal", ""), args.seconds, kit,
+                                      work, mode)
                 senders += [p for _, p in procs]
                 job.wait(lambda: all(p.poll() is not None for _, p in procs) or
                          job.all_exited(), args.seconds + 120, "the %s senders' end" % mode)
@@ -369,6 +371,7 @@ def main(argv=None):
     s.add_argument("--target", required=True, help="host:port of the server")
     s.add_argument("--seconds", type=float, default=DEFAULT_SECONDS)
     s.add_argument("--kit", required=True, help="made by the run (make_kit)")
+    s.add_argument("--nonce", default="", help="the server's data-plane nonce (hex)")
     s.add_argument("--json", required=True)
     ap.add_argument("--seconds", type=float, default=DEFAULT_SECONDS, help="per flood")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))

@@ -10,8 +10,10 @@ two modes, one after the other:
   greetings of the NULL mechanism (an mxps node without a secret) followed by mxps frames,
   greetings claiming CURVE followed by garbage handshakes, mutated and truncated greetings,
   frame headers claiming huge frames, plain random bytes; many connections.
-- ``outsider``: with the job's secret (CURVE handshake passes) but a connection identity that
-  is no node of the job (``fuzz:<n>``, ``worker:7``, ``server:01``, zmq's own random one):
+- ``outsider``: with the job's secret (the scheduler's CURVE handshake passes; at a server the
+  data plane's handshake passes for a name of a node's form, ``worker:7``, and its messages are
+  sealed as a node seals them) but a connection identity that is no node of the job
+  (``fuzz:<n>``, ``worker:7``, ``server:01``, zmq's own random one):
   mxps messages of every type in their valid form and mutated (header fields, bit flips,
   payload cut or grown, frames dropped, added or split), truncated headers, random frames,
   frames over the transport's 1 MiB bound and payloads in several frames.  Pickled payloads
@@ -322,7 +324,7 @@ def _plain_connection(name, host, port, corpus, rng, tally):
 
 
 def attack_outsider(targets, frames_per_target, corpus, rng, tally, deadline, settings, zmq,
-                    members):
+                    members, tcp, nonces):
     """With the secret, as connections that are no node of the job: rotating identities,
     oversized messages on a connection of their own (the listener drops a connection whose
     frame is over its bound, and zmq reconnects it)."""
@@ -334,12 +336,19 @@ def attack_outsider(targets, frames_per_target, corpus, rng, tally, deadline, se
         host, port = targets[name]
         n_ident[0] += 1
         ident = _stranger(rng, n_ident[0], members)
-        sock = ctx.socket(zmq.DEALER)
+        if name in nonces:
+            # a server's data plane: its handshake refuses a name not of a node's form (a
+            # connection that would only stall here), so the strangers' names are of that
+            # form, beyond the job, and their messages are sealed
+            ident = rng.choice([b"worker:", b"server:"]) + str(rng.randint(2, 99)).encode()
+            sock = tcp.new_data_dealer(settings, ident, nonces[name])
+        else:
+            sock = ctx.socket(zmq.DEALER)
+            if ident is not None:
+                sock.setsockopt(zmq.IDENTITY, ident)
+            settings.credentials.join(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)
-        if ident is not None:
-            sock.setsockopt(zmq.IDENTITY, ident)
-        settings.credentials.join(sock)
         sock.connect("tcp://%s:%d" % (host, port))
         tally.t[name]["connections"] += 1
         return sock
@@ -356,6 +365,8 @@ def attack_outsider(targets, frames_per_target, corpus, rng, tally, deadline, se
                 kind = _pick_kind(rng, 0.01)
                 frames = corpus.message(name, kind)
                 sock = entry[1] if kind == "oversized" else entry[0]
+                if isinstance(sock, tcp.SealedSocket):
+                    frames = sock.seal.seal(frames[0], frames[1:])
                 if _send(sock, frames, zmq, wait_ms=0 if kind == "oversized" else 2000):
                     tally.sent(name, kind, frames)
                     left[name] -= len(frames)
@@ -448,8 +459,9 @@ def attack_main(args):
     else:
         secret = open(args.secret_file, "rb").read().strip()
         settings = tcp.Settings(auth.Credentials(secret))
+        nonces = dict((n, bytes.fromhex(h)) for n, h in (s.split("=", 1) for s in args.nonce))
         attack_outsider(targets, args.frames, corpus, rng, tally, deadline, settings, zmq,
-                        members)
+                        members, tcp, nonces)
     out = {"mode": args.mode, "started": started, "ended": time.time(),
            "targets": tally.t, "timed_out": time.monotonic() >= deadline}
     with open(args.json, "w") as f:
@@ -520,12 +532,15 @@ def run_job(jobs, steps, out, secret_file, log_dir, timeout):
                     cpu_interval=None, timeout=timeout)
 
 
-def spawn_attack(mode, targets, frames, secret_file, marker, seed, json_path, max_seconds):
+def spawn_attack(mode, targets, frames, secret_file, marker, seed, json_path, max_seconds,
+                 nonces=None):
     argv = [sys.executable, os.path.abspath(__file__), "attack", "--mode", mode,
             "--frames", str(frames), "--secret-file", secret_file, "--marker", marker,
             "--seed", str(seed), "--json", json_path, "--max-seconds", str(max_seconds)]
     for name, (host, port) in targets.items():
         argv += ["--target", "%s=%s:%d" % (name, host, port)]
+    for name, nonce in (nonces or {}).items():
+        argv += ["--nonce", "%s=%s" % (name, nonce)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "MXPS_"))}
     return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -559,8 +574,11 @@ def run(args):
                      "the rendezvous")
             info = job.job_info()
             targets = {"sched": (jobs.LOOPBACK, job.port)}
+            nonces = {}
             for s in info["servers"]:
                 targets["s%d" % s["rank"]] = (s["host"], s["port"])
+                if s.get("seal"):
+                    nonces["s%d" % s["rank"]] = s["seal"]
             result["targets"] = {k: "%s:%d" % v for k, v in targets.items()}
             warm = time.monotonic() + args.warmup        # let the training get going
             job.wait(lambda: time.monotonic() >= warm or job.all_exited(), args.warmup + 5,
@@ -568,7 +586,7 @@ def run(args):
             for i, mode in enumerate(args.modes):
                 path = os.path.join(work, "attack-%s.json" % mode)
                 p = spawn_attack(mode, targets, args.frames, secret_file, marker,
-                                 args.seed + i, path, args.max_seconds)
+                                 args.seed + i, path, args.max_seconds, nonces)
                 procs.append(p)
                 job.wait(lambda: p.poll() is not None or job.all_exited(), args.max_seconds + 60,
                          "the %s fuzzer's end" % mode)
@@ -658,6 +676,8 @@ def main(argv=None):
     a = sub.add_parser("attack", help="the fuzzer process alone")
     a.add_argument("--mode", choices=MODES, required=True)
     a.add_argument("--target", action="append", required=True, help="name=host:port")
+    a.add_argument("--nonce", action="append", default=[],
+                   help="name=hex: a server's data-plane nonce (the job's facts carry it)")
     a.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="per target")
     a.add_argument("--secret-file", help="the job's secret (mode outsider)")
     a.add_argument("--marker", default=os.path.join(tempfile.gettempdir(), "mxps-fuzz-marker"))

@@ -319,12 +319,17 @@ def test_worker_io_thread_and_link_drop_garbage_and_keep_working():
 # --------------------------------------------------------------------------------------------
 # the attacked job
 
-def _rogue(kind, ident=None):
+def _rogue(kind, ident=None, nonce=None):
     """A DEALER without the secret ("plain") or with a wrong one ("wrong"), or with the job's
-    ("garbage"), connecting from its own loopback address."""
+    ("garbage"), connecting from its own loopback address.  To the scheduler (``nonce`` None)
+    the secret is CURVE's; to a server (``nonce``: its data-plane nonce, which is public) it
+    is the data plane's token and seal, so a wrong secret makes a token the server refuses."""
     settings = {"plain": tcp.PLAIN, "wrong": tcp.Settings(auth.Credentials(WRONG.encode())),
                 "garbage": tcp.Settings(auth.Credentials(SECRET.encode()))}[kind]
-    sock = tcp.new_dealer(settings, ident)
+    if nonce is None or kind == "plain":
+        sock = tcp.new_dealer(settings, ident)
+    else:
+        sock = tcp.new_data_dealer(settings, ident or b"worker:7", nonce)
     sock.setsockopt(zmq.LINGER, 0)
     return sock
 
@@ -371,13 +376,13 @@ def _rogue_send(sock, header, body=None):
         pass
 
 
-def _attack(ports, marker):
+def _attack(ports, nonces, marker):
     """Both rogues try every entry point, one connection each; how many of each kind's got
     any answer."""
     socks = []
     for kind in ("plain", "wrong"):
         for target, ident, h, body in _entry_points(marker):
-            sock = _connect_from(_rogue(kind, ident), kind, ports[target])
+            sock = _connect_from(_rogue(kind, ident, nonces.get(target)), kind, ports[target])
             _rogue_send(sock, h, body)
             socks.append((kind, sock))
     answered = {"plain": 0, "wrong": 0}
@@ -389,7 +394,7 @@ def _attack(ports, marker):
     return answered
 
 
-def _until_logged(job, node, kind, port, tries=20):
+def _until_logged(job, node, kind, port, nonce, tries=20):
     """Connect as the rogue ``kind`` until ``node`` has logged a refusal naming its address.
     (The address of a refused connection is read when the gatekeeper's thread sees it accepted;
     a connection refused faster than that is logged as "an unknown address": docs/SECURITY.md.)
@@ -398,20 +403,27 @@ def _until_logged(job, node, kind, port, tries=20):
     for extra in range(tries):
         if line in job.node(node).read("err"):
             return extra
-        sock = _connect_from(_rogue(kind), kind, port)
+        sock = _connect_from(_rogue(kind, None, nonce), kind, port)
         _rogue_send(sock, Header(MsgType.HEARTBEAT))
         time.sleep(0.3)
         sock.close(0)
     return tries
 
 
-def _garbage(ports):
-    """Malformed messages from a peer that has the secret; the nodes must drop them."""
+def _garbage(ports, nonces):
+    """Malformed messages from a peer that has the secret; the nodes must drop them.  To a
+    server, ``raw`` frames are not sealed (refused by the seal) and ``sealed`` ones are."""
     socks = []
 
     def raw(target, ident, *frames):
-        sock = _connect_from(_rogue("garbage", ident), "garbage", ports[target])
+        sock = _connect_from(_rogue("garbage", ident, nonces.get(target)), "garbage",
+                             ports[target])
         sock.send_multipart(list(frames))
+        socks.append(sock)
+
+    def sealed(target, ident, header, payload=None):
+        sock = _connect_from(_rogue("garbage", ident, nonces[target]), "garbage", ports[target])
+        tcp.send(sock, header, payload)
         socks.append(sock)
 
     bad_magic = b"XXXX" + Header(MsgType.PUSH).pack()[4:]
@@ -422,10 +434,9 @@ def _garbage(ports):
     raw("sched", None, Header(MsgType.REGISTER).pack(), b"\xff\xfe not json")
     raw("sched", None, Header(MsgType.REGISTER).pack(), b"[1, 2, 3]")
     raw("sched", None, Header(MsgType.REGISTER).pack())            # no body at all
-    raw("s0", b"worker:8", Header(MsgType.PULL, key=0, length=4).pack())   # no such worker
-    raw("s1", b"server:0", Header(MsgType.PUSH, key=0).pack())     # a server may not push
-    raw("s1", b"server:1", Header(MsgType.MIGRATE, key=0, plan_version=99).pack(),
-        b"\x00 not a part")
+    sealed("s0", b"worker:8", Header(MsgType.PULL, key=0, length=4))   # no such worker
+    sealed("s1", b"server:0", Header(MsgType.PUSH, key=0))     # a server may not push
+    sealed("s1", b"server:1", Header(MsgType.MIGRATE, key=0, plan_version=99), b"\x00 not a part")
     raw("s0", b"worker:9", Header(MsgType.PUSH, key=0).pack(), bytes(2 * tcp.FRAME_BYTES))
     for sock in socks:
         sock.close(linger=10000)   # zmq delivers what is queued, then closes
@@ -476,9 +487,13 @@ def attacked_job():
                 s.close(0)
             ports = {"sched": job.port}
             ports.update((job.by_pid(s["pid"]).name, s["port"]) for s in info["servers"])
-            found["answered"] = _attack(ports, marker)
-            _garbage(ports)
-            found["extra_tries"] = {(node, kind): _until_logged(job, node, kind, port)
+            # the servers' data-plane nonces (public: the scheduler's job facts carry them)
+            nonces = {job.by_pid(s["pid"]).name: bytes.fromhex(s["seal"])
+                      for s in info["servers"]}
+            found["answered"] = _attack(ports, nonces, marker)
+            _garbage(ports, nonces)
+            found["extra_tries"] = {(node, kind): _until_logged(job, node, kind, port,
+                                                                nonces.get(node))
                                     for node, port in ports.items()
                                     for kind in ("plain", "wrong")}
             job.poll()

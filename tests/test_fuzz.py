@@ -349,6 +349,15 @@ def test_transport_recv_of_any_multipart_message_returns_it_or_raises_wire_error
 
 # ================================================================================ the loops
 
+def _sealed(sock, frames, ident=None):
+    """``frames`` (any bytes) as a node of the job sends them on the data plane: sealed for the
+    session of ``sock`` (a DEALER's; a ROUTER's with ``ident``), so the garbage reaches what
+    is behind the seal."""
+    if ident is None:
+        return sock.seal.seal(frames[0], frames[1:])
+    return [ident] + sock.seal.seal(ident, frames[0], frames[1:])
+
+
 class FakeScheduler:
     """A ROUTER playing the scheduler for one node: answers its REGISTER with ``welcome``
     (a function of the REGISTER body) and records the node's identity."""
@@ -458,21 +467,27 @@ def _request(srv, socks, ident, h, payload=None):
     return got[0][1:]
 
 
+STRANGERS_AND_NODES = (b"worker:0", b"worker:1", b"server:1", b"worker:2", b"server:7")
+
+
 @pytest.fixture(scope="module")
 def live_server():
     """A real ``Server`` (rank 0 of 2) registered with a fake scheduler, its peer server 1 a
-    bare ROUTER, and DEALERs for worker 0, worker 1, server 1 and strangers."""
-    peer, peer_port = tcp.bind_router("127.0.0.1", None, SETTINGS, who="fake-peer")
+    bare data socket, and DEALERs for worker 0, worker 1, server 1 and strangers (names of a
+    node's form beyond the job: the data plane's handshake refuses any other name)."""
+    peer, peer_port, peer_nonce = tcp.bind_data("127.0.0.1", SETTINGS, who="fake-peer")
     peer.setsockopt(zmq.LINGER, 0)
     sched = FakeScheduler(lambda reg: {
         "rank": 0, "role": "server", "servers": [["127.0.0.1", reg["port"]],
                                                  ["127.0.0.1", peer_port]],
+        "seals": [reg["seal"], peer_nonce.hex()],
         "num_workers": 2, "num_servers": 2, "mode": "sync"})
     srv = server_loop.Server(_node_cfg("server", sched.port))
     assert sched.joined()
+    nonce = srv.sock.seal.nonce
     socks = {}
-    for ident in (b"worker:0", b"worker:1", b"server:1", b"fuzz:1", b"worker:2", None):
-        d = tcp.connect_dealer("127.0.0.1", srv.port, SETTINGS, ident)
+    for ident in STRANGERS_AND_NODES:
+        d = tcp.connect_data("127.0.0.1", srv.port, SETTINGS, ident, nonce)
         d.setsockopt(zmq.LINGER, 0)
         socks[ident] = d
     yield srv, sched, peer, socks
@@ -517,13 +532,12 @@ SERVER_FRAMES = frames_of(mutated(WORKER_CORPUS + PEER_CORPUS, allow_types=list(
 
 
 @LOOP_FUZZ
-@given(st.lists(st.tuples(st.sampled_from([b"worker:0", b"worker:1", b"server:1", b"fuzz:1",
-                                           b"worker:2", None]), SERVER_FRAMES),
+@given(st.lists(st.tuples(st.sampled_from(STRANGERS_AND_NODES), SERVER_FRAMES),
                 min_size=1, max_size=12))
 def test_the_server_loop_survives_any_message_from_any_connection(live_server, batch):
     srv, _, _, socks = live_server
     for ident, frames in batch:
-        socks[ident].send_multipart(frames)
+        socks[ident].send_multipart(_sealed(socks[ident], frames))
     # a PROBE from each worker after its garbage: answered, so everything before it was read
     for ident in (b"worker:0", b"worker:1"):
         h, p = _request(srv, socks, ident, Header(MsgType.PROBE), b"still serving")
@@ -600,7 +614,7 @@ def test_the_server_loop_survives_any_reply_of_a_peer_server_and_finishes_its_pl
                 continue
         except WireError:
             pass
-        peer.send_multipart([ident] + frames)
+        peer.send_multipart(_sealed(peer, frames, ident))
     tcp.send(peer, part.reply(MsgType.ACK, length=0), ident=ident)
     _pump(srv, arrived, "the plan's report")
     assert [json.loads(r[2].bytes) for r in reports] == [{"version": v, "moved_bytes": 16}]
@@ -713,12 +727,14 @@ def test_after_the_fuzzing_the_scheduler_still_ends_the_job_cleanly(live_schedul
 
 @pytest.fixture(scope="module")
 def live_worker():
-    """A worker's ``Client`` registered with a fake scheduler, its one server a bare ROUTER."""
+    """A worker's ``Client`` registered with a fake scheduler, its one server a bare data
+    socket (which seals what the tests send raw: ``_sealed``)."""
     from mxps.roles.worker import Client
-    srv, srv_port = tcp.bind_router("127.0.0.1", None, SETTINGS, who="fake-server")
+    srv, srv_port, nonce = tcp.bind_data("127.0.0.1", SETTINGS, who="fake-server")
     srv.setsockopt(zmq.LINGER, 0)
     sched = FakeScheduler(lambda reg: {
-        "rank": 0, "role": "worker", "servers": [["127.0.0.1", srv_port]], "num_workers": 1,
+        "rank": 0, "role": "worker", "servers": [["127.0.0.1", srv_port]],
+        "seals": [nonce.hex()], "num_workers": 1,
         "num_servers": 1, "mode": "sync"})
     client = Client(_node_cfg("worker", sched.port, DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1"))
     assert sched.joined()
@@ -761,17 +777,17 @@ def test_the_worker_io_thread_survives_any_reply_and_scheduler_message(live_work
 
     client.submit(0, Header(MsgType.PULL, key=5, length=3), None, on_reply)
     assert srv.poll(10000)
-    ident, head = srv.recv_multipart()
-    req = wire.unpack(head)
+    ident, req, _ = tcp.recv(srv, with_ident=True)
     for claims_the_request, frames in replies:
         if claims_the_request and _parses(frames[0]):          # garbage for this very request
             h = wire.unpack(frames[0])
             h.request_id = req.request_id
             frames = [h.pack()] + frames[1:]
         if not _completes(frames, req):
-            srv.send_multipart([ident] + frames)
+            srv.send_multipart(_sealed(srv, frames, ident))
     good = req.reply(MsgType.DATA, dtype=F32)
-    srv.send_multipart([ident, good.pack(), np.arange(3, dtype=np.float32).tobytes()])
+    srv.send_multipart(_sealed(srv, [good.pack(), np.arange(3, dtype=np.float32).tobytes()],
+                               ident))
     assert done.wait(10), "the worker's request was not completed by its reply"
     assert client._thread.is_alive(), "the worker's I/O thread died"
     np.testing.assert_array_equal(got["value"], [0, 1, 2])
@@ -785,8 +801,7 @@ def test_the_worker_refuses_a_reply_that_does_not_match_its_request_and_keeps_it
     client.submit(0, Header(MsgType.PULL, key=5, offset=2, length=3, dtype=F32), None,
                   lambda h, payload: (got.append(bytes(payload)), done.set()))
     assert srv.poll(10000)
-    ident, head = srv.recv_multipart()
-    req = wire.unpack(head)
+    ident, req, _ = tcp.recv(srv, with_ident=True)
     before = client.drops.counts["mismatch"]
     three = np.arange(3, dtype=np.float32).tobytes()
     for changes, payload in [
@@ -796,10 +811,11 @@ def test_the_worker_refuses_a_reply_that_does_not_match_its_request_and_keeps_it
             (dict(dtype=wire.dtype_code(np.float64)),
              np.arange(3, dtype=np.float64).tobytes()),             # another dtype
             (dict(), three[:8])]:                                    # fewer bytes than named
-        srv.send_multipart([ident, req.reply(MsgType.DATA, **changes).pack(), payload])
+        srv.send_multipart(_sealed(srv, [req.reply(MsgType.DATA, **changes).pack(), payload],
+                                   ident))
     assert not done.wait(1.0), "a reply that does not match its request completed it"
     assert client.drops.counts["mismatch"] - before == 5
-    srv.send_multipart([ident, req.reply(MsgType.DATA).pack(), three])
+    srv.send_multipart(_sealed(srv, [req.reply(MsgType.DATA).pack(), three], ident))
     assert done.wait(10), "the matching reply did not complete the request"
     assert got == [three]
 

@@ -73,6 +73,14 @@ def parse_welcome(payload):
             isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
             and isinstance(a[1], int) and 0 < a[1] < 65536 for a in addrs):
         raise wire.WireError("WELCOME: %d server addresses %r" % (servers, addrs))
+    seals = body.setdefault("seals", [""] * servers)
+    if not (isinstance(seals, list) and len(seals) == servers and all(
+            isinstance(s, str) and len(s) in (0, 32) for s in seals)):
+        raise wire.WireError("WELCOME: %d server nonces %r" % (servers, seals))
+    try:
+        body["seals"] = [bytes.fromhex(s) for s in seals]
+    except ValueError:
+        raise wire.WireError("WELCOME: server nonces %r are not hex" % (seals,)) from None
     if body.get("mode") not in ("sync", "async", "wsp") or rank < 0 or workers < 1:
         raise wire.WireError("WELCOME: rank %d, %d workers, mode %r"
                              % (rank, workers, body.get("mode")))
@@ -185,15 +193,18 @@ class SchedulerLink:
     def name(self):
         return "%s %s" % (self.role, self.rank if self.rank >= 0 else "?")
 
-    def register(self, host, port=0):
+    def register(self, host, port=0, seal=b""):
         """Announce this node and wait for the scheduler's WELCOME (rank, peers).
 
         While it waits the node heartbeats (``start_heartbeats`` in the REGISTER tells the
         scheduler to watch it from now on, so a node that dies during start-up ends the job in
         MXPS_HEARTBEAT_TIMEOUT) and watches the scheduler's echoes: once the scheduler has
         answered, its silence for MXPS_HEARTBEAT_TIMEOUT ends the wait, naming it."""
-        body = json.dumps({"role": self.role, "host": host, "port": port, "pid": os.getpid(),
-                           "mode": self.cfg.mode, "start_heartbeats": True}).encode()
+        info = {"role": self.role, "host": host, "port": port, "pid": os.getpid(),
+                "mode": self.cfg.mode, "start_heartbeats": True}
+        if seal:
+            info["seal"] = seal.hex()       # a server's data-plane nonce (mxps.wire.seal)
+        body = json.dumps(info).encode()
         fault_point(self.cfg, "register", self.role)
         deadline = time.monotonic() + self.cfg.start_timeout
         self.send(MsgType.REGISTER, body)

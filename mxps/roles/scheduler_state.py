@@ -84,7 +84,7 @@ class Step:
 
 class Node:
     __slots__ = ("ident", "role", "host", "port", "pid", "mode", "rank", "last_heard",
-                 "finished", "watched")
+                 "finished", "watched", "seal")
 
     def __init__(self, ident, role, host, port, pid, mode, now):
         self.ident = ident
@@ -97,14 +97,18 @@ class Node:
         self.last_heard = now
         self.finished = False
         self.watched = True
+        self.seal = ""            # a server's data-plane nonce, hex (mxps.wire.seal)
 
     def describe(self):
         rank = self.rank if self.rank >= 0 else "?"
         return "%s %s (%s:%s, pid %s)" % (self.role, rank, self.host, self.port, self.pid)
 
     def fact(self):
-        return {"rank": self.rank if self.rank >= 0 else None, "host": self.host,
+        fact = {"rank": self.rank if self.rank >= 0 else None, "host": self.host,
                 "port": self.port, "pid": self.pid}
+        if self.seal:
+            fact["seal"] = self.seal      # a salt, not a secret (mxps.wire.seal)
+        return fact
 
 
 class MalformedBody(ValueError):
@@ -125,9 +129,11 @@ def _register_info(payload):
         raise MalformedBody("REGISTER body is not an object")
     ok = (isinstance(info.get("role"), str) and isinstance(info.get("host"), str)
           and isinstance(info.get("port"), int) and isinstance(info.get("pid"), int)
-          and isinstance(info.get("mode"), (str, type(None))))
+          and isinstance(info.get("mode"), (str, type(None)))
+          and isinstance(info.get("seal", ""), str) and len(info.get("seal", "")) in (0, 32))
     if not ok:
-        raise MalformedBody("REGISTER body lacks role/host/port/pid/mode of the right types")
+        raise MalformedBody("REGISTER body lacks role/host/port/pid/mode of the right types "
+                            "(or has a seal that is not 32 hex digits)")
     return info
 
 
@@ -383,6 +389,7 @@ class SchedulerState:
         # a node that heartbeats while it waits for its WELCOME is watched from now on, so
         # its death during start-up ends the job in MXPS_HEARTBEAT_TIMEOUT, not the start timeout
         node.watched = bool(info.get("start_heartbeats"))
+        node.seal = info.get("seal", "")
         if all(self._count(r) == k for r, k in self.want.items()):
             self._start()
 
@@ -423,6 +430,7 @@ class SchedulerState:
         server_addrs = [[n.host, n.port] for n in servers]
         for n in servers + workers:
             body = json.dumps({"rank": n.rank, "role": n.role, "servers": server_addrs,
+                               "seals": [s.seal for s in servers],
                                "num_workers": self.cfg.num_workers,
                                "num_servers": self.cfg.num_servers,
                                "mode": self.mode}).encode()

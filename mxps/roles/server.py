@@ -83,13 +83,17 @@ class Server:
     def __init__(self, cfg):
         host = cfg.node_host or transport.local_address_towards(cfg.root_uri, cfg.root_port)
         settings = transport.Settings.from_config(cfg)
-        self.sock, self.port = transport.bind_router(host, None, settings, who="server")
+        self.sock, self.port, nonce = transport.bind_data(host, settings)
         self.link = SchedulerLink(cfg, "server", settings)
-        welcome = self.link.register(host, self.port)
+        welcome = self.link.register(host, self.port, seal=nonce)
         self.cfg = dataclasses.replace(cfg, mode=welcome["mode"])   # the workers' choice
         self.rank = welcome["rank"]
         self.num_workers = welcome["num_workers"]
         self.num_servers = welcome["num_servers"]
+        if isinstance(self.sock, transport.SealedSocket):
+            self.sock.seal.members = frozenset(
+                [identity("worker", r) for r in range(self.num_workers)]
+                + [identity("server", r) for r in range(self.num_servers)])
         # MXPS_TRACE: the state records every push, round, pull and migration step; the
         # file is written at the clean shutdown (placement.trace)
         self.trace = trace.Recorder("server", self.rank) if cfg.trace else None
@@ -126,6 +130,7 @@ class Server:
                                  wsp=wsp, store=store,
                                  progress=lambda: self.link.beat(time.monotonic()))
         self.peer_addrs = welcome["servers"]
+        self.peer_seals = welcome["seals"]
         self.peers = {}            # server rank -> DEALER (opened at the first migration)
         self.drops = transport.Tally(log)
         self.poller = zmq.Poller()
@@ -158,8 +163,9 @@ class Server:
         sock = self.peers.get(rank)
         if sock is None:
             host, port = self.peer_addrs[rank]
-            sock = self.peers[rank] = transport.connect_dealer(
-                host, port, self.link.settings, identity("server", self.rank))
+            sock = self.peers[rank] = transport.connect_data(
+                host, port, self.link.settings, identity("server", self.rank),
+                self.peer_seals[rank])
             self.poller.register(sock, zmq.POLLIN)
         return sock
 
@@ -171,8 +177,10 @@ class Server:
                 ident, h, payload = transport.recv(self.sock, with_ident=True)
                 authenticate(ident, h, self.num_workers, self.num_servers)
             except wire.WireError as e:
-                self.drops("malformed", "server %d: dropped a malformed message: %s",
-                           self.rank, e)
+                # a stranger's (the seal refuses it unopened) is logged per connection
+                kind = ("refused:%r" % (e.ident,) if getattr(e, "why", None) == "stranger"
+                        else "malformed")
+                self.drops(kind, "server %d: dropped a malformed message: %s", self.rank, e)
                 continue
             except Refused as e:
                 if e.reply:

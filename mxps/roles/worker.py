@@ -108,8 +108,8 @@ class Client:
         # the connection's identity is this worker's rank: servers count a push for the rank
         # of the connection it came on, never for the rank a header claims
         identity = b"worker:%d" % self.rank
-        self.servers = [transport.connect_dealer(h, p, self.link.settings, identity)
-                        for h, p in welcome["servers"]]
+        self.servers = [transport.connect_data(h, p, self.link.settings, identity, nonce)
+                        for (h, p), nonce in zip(welcome["servers"], welcome["seals"])]
         self.server_addrs = ["%s:%d" % (h, p) for h, p in welcome["servers"]]
         self._ids = itertools.count(1)
         self._pending = {}
@@ -435,8 +435,16 @@ class Client:
         if self._trace is not None:
             self._record(_SENT, server, h, _nbytes(payload))
         if h.iteration > 0 and h.type in _ROUND_TYPES:
-            self._count(h.iteration, server, _nbytes(payload), time.monotonic())
+            # the span starts now; the bytes count as the server acknowledges them
+            # (``_ltp_delivered``), so the placement measures what the path delivers, not
+            # what was queued (a push's loss-tolerant end does not count unsent bytes)
+            self._count(h.iteration, server, 0, time.monotonic())
         return True
+
+    def _ltp_delivered(self, now):
+        for server, iteration, nbytes in self.ltp.take_delivered():
+            if iteration > 0:
+                self._count(iteration, server, nbytes, now)
 
     def _ltp_done(self, push, now):
         on_reply, held, server = push.on_done
@@ -567,7 +575,9 @@ class Client:
             if ltp is not None:
                 now = time.monotonic()
                 if ltp_fd in events:
-                    for push in ltp.receive(now):
+                    done = ltp.receive(now)
+                    self._ltp_delivered(now)
+                    for push in done:
                         self._ltp_done(push, now)
                 self._ltp_wake = ltp.pump(time.monotonic())
                 if self._paths_trace is not None and now >= self._next_path_sample:
