@@ -202,7 +202,10 @@ def path_part(name: str) -> str:
 def job_secret_env(system_env, environ=os.environ) -> Dict[str, str]:
     """``{"MXPS_SECRET": <fresh>}`` for one job, or ``{}`` when the user chose a secret already
     (MXPS_SECRET or MXPS_SECRET_FILE in the environment or the system's settings), as ``mxps
-    launch`` does: without one every mxps server warns that anyone can talk to it."""
+    launch`` does: without one every mxps server warns that anyone can talk to it.  A system
+    whose settings say ``MXPS_SECRET=`` (empty) runs without a secret (what the secret costs)."""
+    if system_env.get("MXPS_SECRET", None) == "":
+        return {}
     for env in (system_env, environ):
         if env.get("MXPS_SECRET") or env.get("MXPS_SECRET_FILE"):
             return {}
@@ -1681,7 +1684,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--schedule", metavar="FILE",
                    help="JSON [[t, {node|rank:N: Mbit/s}], ...]; replaces the scenario")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="comma-separated, from: %s (NAME:VAR=VALUE adds settings)"
+                   help="comma-separated, from: %s (NAME:VAR=VALUE adds settings; "
+                        "NAME:MXPS_SECRET= runs it without the job secret)"
                         % ", ".join(s.name for s in SYSTEMS))
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run everything N times, the systems interleaved and their order "

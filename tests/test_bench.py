@@ -415,6 +415,8 @@ def test_every_job_gets_a_fresh_secret_unless_the_user_chose_one():
     assert bench.job_secret_env({}, {"MXPS_SECRET": "mine"}) == {}
     assert bench.job_secret_env({}, {"MXPS_SECRET_FILE": "/k"}) == {}
     assert bench.job_secret_env({"MXPS_SECRET": "x"}, {}) == {}
+    # a system set to run without one (what the secret costs), even where the user has one
+    assert bench.job_secret_env({"MXPS_SECRET": ""}, {"MXPS_SECRET": "mine"}) == {}
 
 
 def test_the_systems_are_native_p3_and_mxps_default_chunked_by_default():
