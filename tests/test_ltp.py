@@ -1047,6 +1047,31 @@ def link_factory():
 MB4 = 1 << 20            # float32 elements: 4 MB
 
 
+@pytest.mark.parametrize("drop", [0.0, 0.2])
+def test_what_a_path_delivered_is_counted_for_its_round_as_acks_come_not_when_queued(
+        link_factory, drop):
+    """The placement's rate of an LTP push: the payload bytes the server acknowledged, at the
+    ACKs' arrival, for the push's round; with packets dropped on purpose (never delivered)
+    the count falls short of the push by what was dropped."""
+    grad = np.ones(MB4 // 4, np.float32)
+    link = link_factory(grad.size, drop=drop)
+    link.push(grad)
+    assert link.tx.take_delivered() == []        # nothing counts when queued
+    link.run()
+    got = link.tx.take_delivered()
+    assert got and {(server, rnd) for server, rnd, _ in got} == {(0, 1)}
+    total = sum(n for _, _, n in got)
+    dropped = link.tx.counts["dropped_on_purpose"]
+    budget = link.rx.budget
+    # each delivered datagram counts its payload share (headers and tag excluded); the END
+    # and partial last packet make up the rest
+    expect = (pk.packet_count(grad.size, link.epp) - dropped) * budget
+    assert abs(total - expect) <= 2 * budget, (total, expect, dropped)
+    if drop:
+        assert dropped > 0 and total < grad.nbytes - dropped * budget // 2
+    assert link.tx.take_delivered() == []        # taken once
+
+
 def test_a_push_of_a_few_mb_arrives_whole_and_the_ack_of_its_end_completes_it(link_factory):
     grad = np.random.default_rng(0).standard_normal(MB4).astype(np.float32)
     link = link_factory(MB4)

@@ -192,6 +192,9 @@ class Sender:
         self._ring = bytearray(ACK_BATCH * ACK_SLOT)
         self._out = []                        # (buffers, address) a pump has for its path
         self.counts = collections.Counter()
+        # (server, round, payload bytes) the server acknowledged, as ACKs come: what the
+        # placement's rate measurement counts (``take_delivered``)
+        self._delivered = []
 
     def hello_body(self, server_host, server_port):
         """The LTP_HELLO body for a server at (host, TCP port): this socket and the path MTU."""
@@ -427,7 +430,16 @@ class Sender:
             path.rate.cap(grant)
         if start:
             path.start_rate = start
+        before = path.rate.delivered_bytes
         path.rate.on_ack(pns, now)
+        got = path.rate.delivered_bytes - before
+        if got > 0:
+            # the bytes belong to the oldest push in flight (ENDs go after all DATA, so a push
+            # waiting for its END's ACK is older than any still sending)
+            head = path.waiting[0] if path.waiting else path.queue[0] if path.queue else None
+            if head is not None:
+                payload = got * path.budget // (path.budget + pk.OVERHEAD)
+                self._delivered.append((path.server, head.h.iteration, payload))
         for pn in pns:
             push = path.ends.get(pn)
             if push is not None:
@@ -435,6 +447,12 @@ class Sender:
                 for other in push.end_pns:      # every END of it, resent ones too
                     path.ends.pop(other, None)
                 path.waiting.remove(push)
+
+    def take_delivered(self):
+        """The (server, round, payload bytes) acknowledged since the last call: what each path
+        delivered, when it was delivered (the ACKs' arrival), whatever the pacing."""
+        got, self._delivered = self._delivered, []
+        return got
 
     def path_rows(self, kind, t):
         """One trace row per path (``trace.PATH_COLUMNS``) at wall time ``t``: the rate
