@@ -149,6 +149,9 @@ def send_zmq(host, port, kit, identity, nonce, seconds, stats, slow):
                 stats["answers"] += 1
     finally:
         sock.close(0)
+        # sealed frames go zero-copy: the context is ended (every frame released) before the
+        # interpreter is, or zmq's release of a frame can outlive Python
+        tcp.context().term()
 
 
 def send_main(args):
