@@ -130,21 +130,28 @@ def warn_if_exposed(host, port, who, out=None):
 
 
 # -- sockets -------------------------------------------------------------------------------------
-def bind_router(host, port=None, settings=PLAIN, who="node"):
+def bind_router(host, port=None, settings=PLAIN, who="node", _data=None):
     """A ROUTER socket listening on host:port (a free port when port is None); (sock, port).
 
     With credentials only the job's nodes can connect; refused connections are logged with
-    their address (``auth.Gatekeeper``).  ``who`` names this node in those lines."""
-    sock = _tune(context().socket(zmq.ROUTER), settings)
+    their address (``auth.Gatekeeper``).  ``who`` names this node in those lines.  ``_data``
+    (``bind_data``'s): (the handshake's guard instead of the job's CURVE keys, the socket's
+    ``seal.ServerSeal``)."""
+    sealed = _data is not None
+    sock = _tune(context().socket(zmq.ROUTER, socket_class=SealedSocket if sealed
+                                  else zmq.Socket), settings)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     # a node's connection that comes back (zmq reconnects after a network hiccup) takes its
     # identity over; without this the ROUTER ignores it while the old one looks alive
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if settings.credentials is not None:
+        guard = _data[0] if sealed else settings.credentials
         gate = auth.Gatekeeper.for_context(context())
-        gate.admit(settings.credentials)
-        settings.credentials.serve(sock)
+        gate.admit(guard)
+        guard.serve(sock)
         gate.watch(sock, who)
+        if sealed:
+            sock.seal = _data[1]
     try:
         if port is None:
             port = sock.bind_to_random_port("tcp://%s" % host, min_port=20000, max_port=60000,
@@ -168,21 +175,9 @@ def bind_data(host, settings, who="server"):
         sock, port = bind_router(host, None, settings, who)
         return sock, port, b""
     nonce = os.urandom(seal.RANDOM)
-    sock = _tune(context().socket(zmq.ROUTER, socket_class=SealedSocket), settings)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    gate = auth.Gatekeeper.for_context(context())
-    data_gate = auth.DataGate(settings.credentials, nonce)
-    gate.admit(data_gate)
-    data_gate.serve(sock)
-    gate.watch(sock, who)
-    sock.seal = seal.ServerSeal(settings.credentials.data_key, nonce, FRAME_BYTES)
-    try:
-        port = sock.bind_to_random_port("tcp://%s" % host, min_port=20000, max_port=60000,
-                                        max_tries=200)
-    except zmq.ZMQError as e:
-        sock.close(0)
-        raise TransportError("cannot listen on %s: %s" % (host, e)) from None
+    sock, port = bind_router(host, None, settings, who, _data=(
+        auth.DataGate(settings.credentials, nonce),
+        seal.ServerSeal(settings.credentials.data_key, nonce, FRAME_BYTES)))
     return sock, port, nonce
 
 
