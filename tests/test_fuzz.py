@@ -1077,3 +1077,35 @@ def test_a_flooded_job_keeps_training_and_ends_with_the_weights_of_an_unflooded_
         assert phase["trained_throughout"] and phase["steps_during"] > 0, table
     assert result["weights_equal"], table
     assert rc == 0, table
+
+
+def test_a_reply_lands_in_the_buffer_its_callback_names_only_when_it_answers_the_request(
+        live_worker):
+    client, _, srv = live_worker
+    done = threading.Event()
+    target = np.zeros(3, np.float32)
+    got = []
+
+    class Fill:
+        def land(self, h):
+            return target.view(np.uint8)
+
+        def __call__(self, h, payload):
+            got.append(wire.payload_array(h, payload).ctypes.data)
+            done.set()
+
+    client.submit(0, Header(MsgType.PULL, key=5, offset=2, length=3, dtype=F32), None, Fill())
+    assert srv.poll(10000)
+    ident, req, _ = tcp.recv(srv, with_ident=True)
+    seven = np.full(3, 7, np.float32).tobytes()
+    for changes in [dict(key=6), dict(offset=1), dict(request_id=req.request_id + 1)]:
+        srv.send_multipart(_sealed(srv, [req.reply(MsgType.DATA, **changes).pack(), seven],
+                                   ident))
+    srv.send_multipart(_sealed(srv, [req.reply(MsgType.ACK).pack()], ident))
+    assert not done.wait(1.0), "a reply that does not answer the request completed it"
+    assert not target.any(), "a reply that does not answer the request was landed"
+    srv.send_multipart(_sealed(srv, [req.reply(MsgType.DATA).pack(),
+                                     np.arange(3, dtype=np.float32).tobytes()], ident))
+    assert done.wait(10), "the matching reply did not complete the request"
+    np.testing.assert_array_equal(target, [0, 1, 2])
+    assert got == [target.ctypes.data]                   # deciphered in place, not copied

@@ -237,3 +237,70 @@ def test_once_the_jobs_nodes_are_known_a_strangers_message_is_refused_unopened()
     assert e.value.why == "stranger" and not server._sessions
     member, _, _ = _pair(name=b"worker:1", nonce=nonce)
     assert server.open(b"worker:1", _frames(member.seal(h.pack(), _parts(values))))[0] == h
+
+
+
+def _reply(n):
+    """A client, and a DATA reply of ``n`` float32 values sealed by the server it talks to."""
+    client, server, _ = _pair()
+    h, values = _push(n)
+    server.open(b"worker:0", _frames(client.seal(h.pack(), _parts(values))))
+    reply = h.reply(MsgType.DATA)
+    return client, reply, values, server.seal(b"worker:0", reply.pack(), _parts(values))
+
+
+@pytest.mark.parametrize("n", [3, 20000, 3 * FRAME // 4 + 5])
+def test_a_reply_is_deciphered_into_the_buffer_land_gives_once_its_header_verifies(n):
+    client, reply, values, sealed = _reply(n)
+    target = np.zeros(4 * n, np.uint8)
+    asked = []
+    got_h, got_p = client.open(_frames(sealed),
+                               land=lambda hh, nbytes: asked.append((hh, nbytes)) or target)
+    assert got_h == reply and asked == [(reply, 4 * n)]
+    assert np.frombuffer(got_p.buffer, np.float32).ctypes.data == target.ctypes.data
+    assert np.array_equal(target.view(np.float32), values)
+
+
+def test_a_forged_reply_is_refused_before_land_is_asked_or_after_and_never_handed_on():
+    client, reply, values, sealed = _reply(3 * FRAME // 4 + 5)
+    good = [bytes(memoryview(f).cast("B")) for f in sealed]
+    asked = []
+
+    def land(hh, nbytes):
+        asked.append(hh)
+        return np.zeros(nbytes, np.uint8)
+    bad_header = [bytearray(f) for f in good]
+    bad_header[0][seal.PREFIX + 10] ^= 1
+    with pytest.raises(seal.Refused):
+        client.open(_frames([bytes(f) for f in bad_header]), land=land)
+    assert asked == []                      # an unverified header never names a buffer
+    bad_part = [bytearray(f) for f in good]
+    bad_part[2][50] ^= 1
+    with pytest.raises(seal.Refused, match="does not verify"):
+        client.open(_frames([bytes(f) for f in bad_part]), land=land)
+    assert asked == [reply]
+    # the session was not moved on: the real message still opens, into its buffer
+    target = np.zeros(values.nbytes, np.uint8)
+    got_h, _ = client.open(_frames(good), land=lambda hh, nb: target)
+    assert got_h == reply and np.array_equal(target.view(np.float32), values)
+
+
+def _read_only(n):
+    a = np.zeros(n, np.uint8)
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize("target", [np.zeros(11, np.uint8), np.zeros(13, np.uint8),
+                                    np.zeros(3, np.float32), np.zeros((2, 6), np.uint8),
+                                    np.zeros(24, np.uint8)[::2], _read_only(12), None,
+                                    "twelve bytes"],
+                         ids=["short", "long", "float32", "2-d", "strided", "read-only",
+                              "none", "str"])
+def test_a_buffer_that_does_not_fit_the_payload_is_passed_over_for_its_own(target):
+    client, reply, values, sealed = _reply(3)                  # 12 bytes
+    got_h, got_p = client.open(_frames(sealed), land=lambda hh, nbytes: target)
+    assert got_h == reply
+    assert np.array_equal(np.frombuffer(got_p.buffer, np.float32), values)
+    if isinstance(target, np.ndarray):
+        assert not target.any()

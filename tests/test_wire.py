@@ -534,3 +534,36 @@ def test_descriptor_closed_later_in_the_same_batch_is_not_looked_up():
     assert dict(tally.counts) == {"t-reuse:?": 1}, tally.counts
     other.close()
     listener.close()
+
+
+@pytest.mark.parametrize("settings", [tcp.PLAIN, _job()], ids=["plain", "sealed"])
+@pytest.mark.parametrize("nbytes", [40, 3 * tcp.FRAME_BYTES + 7])
+def test_a_reply_lands_in_the_buffer_land_gives_and_a_misfit_buffer_is_passed_over(settings,
+                                                                                    nbytes):
+    router, port = tcp.bind_router("127.0.0.1", None, settings, who="t-land")
+    dealer = tcp.connect_dealer("127.0.0.1", port, settings)
+    sent = np.random.RandomState(nbytes % 1000).randint(0, 255, nbytes).astype(np.uint8)
+    asked = []
+    try:
+        tcp.send(dealer, Header(MsgType.PULL, key=6, length=nbytes, dtype=3))
+        assert router.poll(10000)
+        ident, h, _ = tcp.recv(router, with_ident=True)
+        for target in (np.zeros(nbytes + 8, np.uint8)[4:4 + nbytes],   # fits
+                       np.zeros(nbytes + 1, np.uint8),                  # one byte too many
+                       np.zeros(nbytes, np.float32)[:nbytes // 4]):      # not bytes
+            tcp.send(router, h.reply(MsgType.DATA), sent, ident=ident)
+            assert dealer.poll(10000)
+            _, got_h, payload = tcp.recv(
+                dealer, land=lambda hh, n, t=target: asked.append((hh, n)) or t)
+            got = wire.payload_array(got_h, payload)
+            np.testing.assert_array_equal(got, sent)
+            landed = got.ctypes.data == target.ctypes.data
+            assert landed == (target.dtype == np.uint8 and target.size == nbytes)
+            if landed:
+                np.testing.assert_array_equal(target, sent)
+            else:
+                assert not target.any()
+        assert [(hh.type, hh.key, n) for hh, n in asked] == [(MsgType.DATA, 6, nbytes)] * 3
+    finally:
+        dealer.close(0)
+        router.close(0)

@@ -192,6 +192,31 @@ class _Countdown:
             self.done()
 
 
+class _Fill:
+    """The callback of one operation's requests: a DATA reply's values go into the pulled
+    array ``dview`` (or None) at the slice the reply names, then ``countdown`` counts it.
+    ``land`` tells the worker's I/O thread where a reply's payload belongs, so that it lands
+    there directly (``Client._lander``) and needs no copy here."""
+    __slots__ = ("dview", "countdown")
+
+    def __init__(self, dview, countdown):
+        self.dview = dview
+        self.countdown = countdown
+
+    def land(self, h):
+        if self.dview is None:
+            return None
+        return self.dview[h.offset:h.offset + h.length].view(np.uint8)
+
+    def __call__(self, h, payload):
+        if self.dview is not None and h.type == MsgType.DATA:
+            got = wire.payload_array(h, payload)
+            dst = self.dview[h.offset:h.offset + h.length]
+            if got.ctypes.data != dst.ctypes.data:      # not landed in place
+                np.copyto(dst, got)
+        self.countdown(h, payload)
+
+
 class _EngineOp:
     """One mxps operation on MXNet's engine: completed once, by its last reply or, when the
     script failed, by ``Client.abandon``."""
@@ -441,11 +466,7 @@ class MXPS(KVStoreBase):
             split = msg == MsgType.PUSHPULL and sync
             countdown = _Countdown(len(slices) * (2 if split else 1), done, what, client.link)
 
-            def on_reply(h, payload):
-                if dview is not None and h.type == MsgType.DATA:
-                    np.copyto(dview[h.offset:h.offset + h.length],
-                              wire.payload_array(h, payload))
-                countdown(h, payload)
+            on_reply = _Fill(dview, countdown)
 
             for s in slices:
                 if split:

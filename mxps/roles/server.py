@@ -17,7 +17,6 @@ message or an unknown connection is dropped and counted (``drops``, logged rate-
 reply to a peer that does not read (its queue at MXPS_HWM) is dropped and logged.
 """
 import dataclasses
-import json
 import logging
 import os
 import re

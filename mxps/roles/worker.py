@@ -117,6 +117,7 @@ class Client:
         # per server: messages waiting for room in the connection's queue (MXPS_HWM); the I/O
         # thread never blocks in a send, so it always reads the replies that make room
         self._outbox = [collections.deque() for _ in self.servers]
+        self._landers = [self._lander(i) for i in range(len(self.servers))]
         self._poller = None
         self.drops = transport.Tally(log)
         self._held = [[] for _ in self.servers]     # per server: heap of prioritised pushes
@@ -610,15 +611,39 @@ class Client:
 
     _REPLY_TYPES = frozenset((MsgType.ACK, MsgType.DATA, MsgType.ERROR))
 
+    def _lander(self, i):
+        """``transport.recv``'s ``land`` for server ``i``'s replies: a DATA reply that answers a
+        pending value request exactly (``_mismatch``'s rules but the payload's) lands in the
+        buffer its callback names (``on_reply.land(header)``: the pulled slice of the
+        NDArray), so a pulled slice is deciphered or copied once, into its place.  Before
+        the callback runs nothing reads that buffer (the engine operation holds the array),
+        and a reply that is then dropped leaves the request pending."""
+        pending = self._pending
+
+        def land(h, nbytes):
+            entry = pending.get(h.request_id)
+            if entry is None or entry[2] != i or h.type != MsgType.DATA:
+                return None
+            request = entry[3]
+            fn = getattr(entry[0], "land", None)
+            if (fn is None or request.type not in _VALUE_REQUESTS
+                    or (h.key, h.offset, h.length) != (request.key, request.offset,
+                                                       request.length)
+                    or (request.dtype != wire.NO_DTYPE and h.dtype != request.dtype)):
+                return None
+            return fn(h)
+        return land
+
     def _read_replies(self, i, sock):
         """Match server ``i``'s replies to their requests and run the requests' callbacks.
         Anything else (a malformed message, a reply to no request of this worker or from
         another server, a reply its callback cannot use) is dropped and counted; the request
         stays pending, so a server that never answers it properly is still reported when
         MXPS_TIMEOUT runs out."""
+        land = self._landers[i]
         while sock.poll(0):
             try:
-                _, h, payload = transport.recv(sock)
+                _, h, payload = transport.recv(sock, land=land)
             except wire.WireError as e:
                 self.drops("malformed", "worker %d: dropped a malformed message from server %d "
                            "(%s): %s", self.rank, i, self.server_addrs[i], e)

@@ -94,8 +94,15 @@ def Payload(buffer):
     return zmq.Frame(buffer, copy=False)
 
 
-def _open(aead, counter, prefix, sealed_header, parts, frame_bytes):
-    """(header, payload or None) of a message whose prefix was parsed; raises Refused."""
+def _open(aead, counter, prefix, sealed_header, parts, frame_bytes, land=None):
+    """(header, payload or None) of a message whose prefix was parsed; raises Refused.
+
+    ``land(header, nbytes)``, called once the header is authenticated, may give a writable
+    uint8 array of the payload's ``nbytes``: the payload is deciphered straight into it (no
+    buffer of its own, no copy after) and returned as a view of it (any other answer: the
+    payload gets a buffer of its own).  Bytes of a part whose tag
+    fails may be left there, but the message is refused, so they are never handed on: the
+    caller's request stays unanswered until a message that verifies fills the buffer."""
     try:
         header_bytes = aead.decrypt(_nonce(counter), sealed_header, prefix)
     except InvalidTag:
@@ -108,10 +115,14 @@ def _open(aead, counter, prefix, sealed_header, parts, frame_bytes):
             any(s != frame_bytes for s in sizes[:-1]) or sizes[-1] == 0)):
         raise wire.WireError("%r: a payload in %d sealed parts, not cut as the transport cuts "
                              "one" % (header, len(parts)))
+    total = sum(sizes)
+    out = landing(land, header, total)
     try:
-        if len(parts) == 1 and sizes[0] < SMALL:
-            return header, Payload(aead.decrypt(_nonce(counter + 1), parts[0].buffer, None))
-        out = np.empty(sum(sizes), np.uint8)
+        if out is None:
+            if len(parts) == 1 and sizes[0] < SMALL:
+                return header, Payload(aead.decrypt(_nonce(counter + 1), parts[0].buffer,
+                                                    None))
+            out = np.empty(total, np.uint8)
         at = 0
         for i, (part, size) in enumerate(zip(parts, sizes), 1):
             aead.decrypt_into(_nonce(counter + i), part.buffer, None, out[at:at + size])
@@ -120,6 +131,17 @@ def _open(aead, counter, prefix, sealed_header, parts, frame_bytes):
         raise Refused("%r: a payload part whose seal does not verify" % (header,),
                       "forged") from None
     return header, Payload(out)
+
+
+def landing(land, header, nbytes):
+    """The buffer ``land(header, nbytes)`` gives, if it is a uint8 array of ``nbytes``."""
+    if land is None:
+        return None
+    out = land(header, nbytes)
+    if isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 \
+            and out.size == nbytes and out.flags.writeable and out.flags.c_contiguous:
+        return out
+    return None
 
 
 def _prefix(frame0, size):
@@ -160,14 +182,15 @@ class ClientSeal:
         prefix = _PREFIX.pack(MAGIC, counter, len(parts)) + self.random
         return _seal(self._out, counter, prefix, header_bytes, parts)
 
-    def open(self, frames):
+    def open(self, frames, land=None):
+        """(header, payload) of a message from the server; ``land`` as ``_open``'s."""
         buf, counter, n = _prefix(frames[0], PREFIX)
         if n != len(frames) - 1:
             raise Refused("a message of %d parts whose prefix says %d" % (len(frames) - 1, n),
                           "forged")
         _check_counter(counter, n, self._seen)
         header, payload = _open(self._in, counter, bytes(buf[:PREFIX]), buf[PREFIX:],
-                                frames[1:], self.frame_bytes)
+                                frames[1:], self.frame_bytes, land)
         self._seen = counter + n
         return header, payload
 

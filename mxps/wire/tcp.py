@@ -30,6 +30,7 @@ import sys
 import threading
 from typing import Optional
 
+import numpy as np
 import zmq
 
 from ..config import MAKE_SECRET
@@ -296,12 +297,15 @@ def _describe(ident):
     return "connection %s" % ident.hex()
 
 
-def recv(sock, with_ident=False):
+def recv(sock, with_ident=False, land=None):
     """Receive one message: (ident, header, payload_frame_or_None); ident is None on DEALER.
 
-    A payload that came in several frames is joined into one frame.  Raises ``wire.WireError``
-    for anything that is not one header frame followed by a payload as ``send`` cuts it; the
-    message is consumed either way, so the caller drops it and goes on."""
+    A payload that came in several frames is joined into one frame.  ``land(header, nbytes)``
+    (a DEALER's) may give a writable uint8 array of the payload's size once the header is read
+    (and, sealed, authenticated): the payload is then deciphered or copied straight into it,
+    and the payload returned is a view of it.  Raises ``wire.WireError`` for anything that is
+    not one header frame followed by a payload as ``send`` cuts it; the message is consumed
+    either way, so the caller drops it and goes on."""
     frames = sock.recv_multipart(copy=False)
     ident = None
     if with_ident:
@@ -312,7 +316,7 @@ def recv(sock, with_ident=False):
     if isinstance(sock, SealedSocket):
         try:
             if ident is None:
-                header, payload = sock.seal.open(frames)
+                header, payload = sock.seal.open(frames, land)
             else:
                 header, payload = sock.seal.open(ident, frames)
         except seal.Refused as e:
@@ -321,12 +325,21 @@ def recv(sock, with_ident=False):
         return ident, header, payload
     header = wire.unpack(frames[0].buffer)
     parts = frames[1:]
-    if len(parts) <= 1:
-        return ident, header, parts[0] if parts else None
-    if any(len(p) != FRAME_BYTES for p in parts[:-1]) or not 0 < len(parts[-1]) <= FRAME_BYTES:
+    if len(parts) > 1 and (any(len(p) != FRAME_BYTES for p in parts[:-1])
+                           or not 0 < len(parts[-1]) <= FRAME_BYTES):
         raise wire.WireError("%r: a payload in %d frames, not cut as the transport cuts one "
                              "(every frame but the last of %d bytes)" % (header, len(parts),
                                                                          FRAME_BYTES))
+    out = seal.landing(land, header, sum(len(p) for p in parts)) if parts else None
+    if out is not None:
+        at = 0
+        for p in parts:
+            n = len(p)
+            out[at:at + n] = np.frombuffer(p.buffer, np.uint8)
+            at += n
+        return ident, header, seal.Payload(out)
+    if len(parts) <= 1:
+        return ident, header, parts[0] if parts else None
     return ident, header, zmq.Frame(b"".join(p.buffer for p in parts))
 
 
