@@ -21,6 +21,8 @@ EXTENSIONS = [
     Extension("mxps.kernels._engine", ["cython/engine.pyx"], extra_compile_args=["-O2"]),
     # LTP's batched UDP I/O: recvmmsg / sendmmsg (server and worker hot paths, MXPS_PUSH=ltp).
     Extension("mxps.kernels._ltp", ["cython/ltp.pyx"], extra_compile_args=["-O2"]),
+    # Gradient compression's 2bit / 1bit quantizers (worker pushes, server intake).
+    Extension("mxps.kernels._quantize", ["cython/quantize.pyx"], extra_compile_args=["-O2"]),
 ]
 
 EXAMPLES = ["scikit-learn<1.8", "scipy<1.16", "gluoncv==0.10.5.post0", "pandas<3",
