@@ -54,7 +54,7 @@ from ..store.disk import DiskSlice, geometry as disk_geometry, state_template, \
 from ..store.rows import RowLayout
 from ..store.table_init import TableInit
 from ..store.memory import MemorySlice
-from ..wire import frame as wire, typed
+from ..wire import compression, frame as wire, typed
 from ..wire.auth import Tally
 from ..wire.frame import MsgType
 from . import sparse, wsp as wsp_rules
@@ -705,7 +705,7 @@ class ServerState:
                                                       inc.slice.stop))
         grad = None
         if h.type != MsgType.PULL:
-            grad = np.array(wire.payload_array(h, payload), copy=True)
+            grad = np.array(compression.push_values(h, payload), copy=True)
             if h.type == MsgType.PUSH:
                 self._reply(client, h, MsgType.ACK, length=0)
         self.deferred.setdefault(target, []).append((client, h, grad))
@@ -887,7 +887,7 @@ class ServerState:
         if h.dtype != slot.dtype_code:
             raise RequestError("key %d: pushed dtype %s differs from the initialised dtype %s"
                                % (h.key, wire.dtype_of(h.dtype), wire.dtype_of(slot.dtype_code)))
-        grad = wire.payload_array(h, payload)
+        grad = compression.push_values(h, payload)
         if self._trace is not None:
             self._data_row("push_arrived", slot, h.iteration, h.sender, grad.nbytes,
                            h.request_id)
