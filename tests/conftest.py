@@ -41,6 +41,8 @@ FILE_TIERS = {
     "test_accum.py": "unit",
     "test_adaptive_plan.py": "unit",
     "test_async.py": "cluster",
+    "test_compression.py": "unit",
+    "test_compression_jobs.py": "cluster",
     "test_auth.py": "cluster",
     "test_bench.py": "cluster",
     "test_emunet.py": "netns",

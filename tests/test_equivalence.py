@@ -98,6 +98,21 @@ CASES += [
      dict(optimizer="adam", lr_mult=True, update_on_kvstore=False, MXPS_MODE="wsp",
           MXPS_WSP_K=2)),
 ]
+# Gradient compression (2bit): native MXNet 1.9.1 refuses it in pushpull, so the reference
+# pushes then pulls (JOB_PUSH_PULL); mxps compresses both ways.  The threshold is a power of
+# two so that the servers' sums of +-threshold are exact whatever order the pushes arrive in.
+TWO_BIT = {"JOB_COMPRESSION": "2bit:0.0625"}
+CASES += [
+    ("sgd-2x2-2bit-push_then_pull", 2, 2, dict(JOB_PUSH_PULL=1, **TWO_BIT),
+     dict(JOB_PUSH_PULL=1, **TWO_BIT)),
+    ("sgd-2x2-2bit-pushpull", 2, 2, dict(JOB_PUSH_PULL=1, **TWO_BIT), dict(**TWO_BIT)),
+    ("sgd-3x2-2bit-update_on_workers", 3, 2,
+     dict(update_on_kvstore=False, JOB_PUSH_PULL=1, **TWO_BIT),
+     dict(update_on_kvstore=False, **TWO_BIT)),
+    ("mlp_big-3x2-2bit-adaptive_plan", 3, 2,
+     dict(model="mlp_big", JOB_PUSH_PULL=1, **BIG_BOUND, **TWO_BIT),
+     dict(model="mlp_big", MXPS_PLAN="adaptive", MXPS_MIN_SLICE=1024, **BIG_BOUND, **TWO_BIT)),
+]
 
 
 @pytest.mark.parametrize("workers,servers,native_cfg,mxps_cfg",

@@ -49,6 +49,7 @@ def bare_kvstore(keys=(), optimizer=None):
     kv = MXPS.__new__(MXPS)
     kv._keys, kv._str_ids, kv._ids = {}, {}, {}
     kv._optimizer = optimizer
+    kv._compression = None
     kv._plan = Plan(1)
     for name, dtype in keys:
         kv._keys[name] = _Key(name, kv._key_id(name), (4,), dtype, kv._plan.slices(0, 4))

@@ -36,7 +36,7 @@ from ..roles import sparse as sparse_rows
 from ..store.table_init import TableInit
 from ..roles.link import PeerLostError, fatal
 from ..roles.worker import Client
-from ..wire import frame as wire, typed
+from ..wire import compression as compression_mod, frame as wire, typed
 from ..wire.frame import Header, MsgType
 from .ndview import cut_state, handle_value, numpy_view
 
@@ -52,7 +52,7 @@ class KeyError_(KeyError):
 
 class _Key:
     __slots__ = ("name", "id", "shape", "dtype", "code", "size", "slices", "pushes", "seq",
-                 "reduce_buf", "cols")
+                 "reduce_buf", "cols", "residual")
 
     def __init__(self, name, id_, shape, dtype, slices):
         self.name = name
@@ -67,6 +67,9 @@ class _Key:
         self.pushes = 0
         self.seq = mx.nd.zeros((1,), ctx=mx.cpu(0))
         self.reduce_buf = None
+        # gradient compression: what quantization has not sent yet, over the whole key (so a
+        # re-plan that moves the key's slices re-slices it as it is), made on the first push
+        self.residual = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +146,13 @@ def check_context(name, what, array):
     if ctx.device_type not in HOST_DEVICES:
         raise ValueError("mxps: %s of key %r: the array is on %s, but mxps moves CPU arrays only: "
                          "copy it first (array.as_in_context(mx.cpu()))" % (what, name, ctx))
+
+
+def check_compressible(name, dtype):
+    """Gradient compression quantizes float32 values only (as in MXNet)."""
+    if np.dtype(dtype) != np.float32:
+        raise mx.base.MXNetError("mxps: key %r: Gradient compression is only supported for "
+                                 "float32 type of parameters, not %s" % (name, np.dtype(dtype)))
 
 
 def check_floating(name, dtype, why):
@@ -295,7 +305,7 @@ class MXPS(KVStoreBase):
         self._ids = {}
         self._optimizer = None
         self._updater = None
-
+        self._compression = None    # set_gradient_compression's codec
     # -- properties MXNet reads --------------------------------------------------------------
     @property
     def type(self):
@@ -451,6 +461,10 @@ class MXPS(KVStoreBase):
         plan_version = self._plan.version
         slices = k.slices              # the placement when the op is issued, not when it runs
         sync = self._cfg.sync
+        codec = self._compression if msg != MsgType.PULL and src is not None else None
+        if codec is not None and k.residual is None:
+            k.residual = np.zeros(k.size, np.float32)
+        residual = k.residual
 
         def run(completion):
             op = _EngineOp(client, completion, self._op_done)
@@ -477,8 +491,13 @@ class MXPS(KVStoreBase):
                 h = Header(MsgType.PUSH if split else msg, key=k.id, iteration=it,
                            plan_version=plan_version, offset=s.offset, length=s.length,
                            dtype=k.code)
-                client.submit(s.server, h, sview[s.offset:s.stop] if sview is not None
-                              else None, on_reply,
+                payload = sview[s.offset:s.stop] if sview is not None else None
+                if codec is not None:
+                    # the engine runs one operation of a key at a time (its seq), so the
+                    # residual is this operation's alone
+                    h.flags = codec.flag
+                    payload = codec.encode(payload, residual[s.offset:s.stop])
+                client.submit(s.server, h, payload, on_reply,
                               priority if sync and h.type == MsgType.PUSH else None)
 
         with self._idle:
@@ -570,6 +589,8 @@ class MXPS(KVStoreBase):
                 self._push_rows(k, vals, priority)
                 continue
             self._check(k, vals, "push")
+            if self._compression is not None:
+                check_compressible(k.name, k.dtype)
             grad = self._reduce(k, vals)
             self._next_push(k)
             self._launch(k, MsgType.PUSH, grad, None, priority)
@@ -605,6 +626,8 @@ class MXPS(KVStoreBase):
                 continue
             self._check(k, vals, "push")
             self._check(k, outs, "pull")
+            if self._compression is not None:
+                check_compressible(k.name, k.dtype)
             grad = self._reduce(k, vals)
             self._next_push(k)
             self._launch(k, MsgType.PUSHPULL, grad, outs[0], priority)
@@ -637,6 +660,9 @@ class MXPS(KVStoreBase):
         gradient is read here, in the calling thread (it waits for backward), and sent by the
         I/O thread; the key's next pull waits for the round on the server, as for a dense
         push."""
+        if self._compression is not None:
+            raise mx.base.MXNetError("mxps: push of key %r: Gradient compression for row "
+                                     "sparse storage type is not supported" % (k.name,))
         self._check_rows(k, vals, "push", "row_sparse")
         grad = vals[0]
         for v in vals[1:]:                  # several devices: their sum, still row-sparse
@@ -749,7 +775,16 @@ class MXPS(KVStoreBase):
             (flat.reshape((ids.size,) + k.shape[1:]), ids), shape=k.shape, dtype=k.dtype)
 
     def set_gradient_compression(self, compression_params):
-        raise NotImplementedError("mxps: gradient compression is not supported")
+        """Compress every later push of a float32 key as MXNet's dist kvstore does
+        (``{'type': '2bit', 'threshold': 0.5}`` or ``'1bit'``; ``mxps.wire.compression``):
+        a residual per key on this worker, the quantized bits on the wire, pulls in full
+        precision.  Unlike native MXNet 1.9.1, pushpull (Gluon's Trainer) compresses too."""
+        try:
+            codec = compression_mod.parse(compression_params)
+        except compression_mod.CompressionError as e:
+            raise mx.base.MXNetError("mxps: %s" % e) from None
+        self._compression = codec
+        log.info("mxps: gradient compression %s, threshold %g", codec.type, codec.threshold)
 
     # -- optimizer on the servers ------------------------------------------------------------
     def set_optimizer(self, optimizer):

@@ -40,6 +40,11 @@ Environment:
   JOB_SLOW               "rank:seconds": that rank sleeps that long in every step (a worker
                          that computes slowly: a straggler).
   JOB_SEED               seed for initialisation, the same on every worker (default 42).
+  JOB_COMPRESSION        "TYPE:THRESHOLD" (e.g. 2bit:0.5): the Trainer's or Module's
+                         compression_params, {'type': TYPE, 'threshold': THRESHOLD}.
+  JOB_PUSH_PULL          1 (gluon only): the Trainer's pushpull of a key becomes push then
+                         pull, as MXNet's model.py does for sparse arrays (native MXNet 1.9.1
+                         refuses compression in pushpull).
   JOB_OUT                directory; each worker writes weights_rank{R}.npz (every parameter
                          by name) and meta_rank{R}.json (rank, num_workers, kvstore type,
                          per-step seconds, ...). Required.
@@ -107,6 +112,11 @@ SLOW = [float(x) for x in os.environ["JOB_SLOW"].split(":")] if os.environ.get("
 DELAY = [float(x) for x in os.environ["JOB_DELAY"].split(":")] if os.environ.get("JOB_DELAY") \
     else None
 OUT = os.environ.get("JOB_OUT", "")
+COMPRESSION = None
+if os.environ.get("JOB_COMPRESSION"):
+    _type, _threshold = os.environ["JOB_COMPRESSION"].split(":")
+    COMPRESSION = {"type": _type, "threshold": float(_threshold)}
+PUSH_PULL = _env_flag("JOB_PUSH_PULL") or False
 HIDDEN = {"mlp": [32, 32], "mlp_big": [2048, 32]}
 
 if not OUT:
@@ -188,6 +198,8 @@ def run_gluon():
     kwargs = {"kvstore": kv_arg}
     if UPDATE_ON_KVSTORE is not None:
         kwargs["update_on_kvstore"] = UPDATE_ON_KVSTORE
+    if COMPRESSION:
+        kwargs["compression_params"] = COMPRESSION
     trainer = gluon.Trainer(params, OPTIMIZER, optimizer_params(), **kwargs)
     # Create the kvstore now (Trainer would on the first step) to learn the rank, which picks
     # this worker's data. Same code path as step(), which first sets rescale_grad (it must be
@@ -200,6 +212,11 @@ def run_gluon():
     kv = trainer._kvstore
     rank = kv.rank if kv is not None else 0
     num_workers = kv.num_workers if kv is not None else 1
+    if PUSH_PULL:
+        def push_then_pull(key, value, out=None, priority=0):
+            kv.push(key, value, priority=priority)
+            kv.pull(key, out=value if out is None else out, priority=priority)
+        kv.pushpull = push_then_pull
     if SIMULATE:
         shards = [data_for(i, SIMULATE) for i in range(SIMULATE)]
     else:
@@ -236,7 +253,8 @@ def run_gluon():
                     rank, name, ctxs[0], c))
     extra = {"update_on_kvstore": trainer._update_on_kvstore, "lr_mult_param":
              first_weight if LR_MULT else None, "kv_object": KV_OBJECT,
-             "simulated_workers": SIMULATE}
+             "simulated_workers": SIMULATE, "compression": COMPRESSION,
+             "push_pull": PUSH_PULL}
     for r in (range(SIMULATE) if SIMULATE else [rank]):
         write_results(r, SIMULATE or num_workers, kv, weights, step_seconds, extra)
 
@@ -285,7 +303,7 @@ def run_module():
     net = mx.sym.FullyConnected(net, num_hidden=10, name="fc_out")
     net = mx.sym.SoftmaxOutput(net, name="softmax")
     ctxs = [mx.cpu(i) for i in range(DEVICES)]
-    mod = mx.mod.Module(net, context=ctxs)
+    mod = mx.mod.Module(net, context=ctxs, compression_params=COMPRESSION)
     it = _RankedIter(mod)
     step_seconds = []
     last = [time.perf_counter()]
