@@ -41,6 +41,8 @@ import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
+from mxps_tools import compressed  # noqa: E402
+
 
 def build(name, classes, hidden=4096):
     if name == "mlp":
@@ -91,6 +93,10 @@ def main():
     kv = mx.kv.create(ARGS.kvstore)
     kw = {} if ARGS.update_on_kvstore is None else {
         "update_on_kvstore": bool(ARGS.update_on_kvstore)}
+    compression = compressed.params_from_env()
+    if compression:
+        kw["compression_params"] = compression
+        compressed.push_then_pull(kv)
     trainer = gluon.Trainer(net.collect_params(), "sgd", params, kvstore=kv, **kw)
     rng = np.random.RandomState(100 + kv.rank)
     x = mx.nd.array(rng.uniform(-1, 1, size=shape).astype(np.float32))
@@ -125,7 +131,7 @@ def main():
                        "step_end_wall": stamps, "step_start_abs": starts_abs,
                        "step_end_abs": ends_abs, "warmup": ARGS.warmup,
                        "param_names": names, "param_sizes": sizes, "compute_seconds": compute, "dtype_bytes": 4,
-                       "pid": os.getpid(),
+                       "pid": os.getpid(), "compression": compression,
                        "loss": float(loss.mean().asscalar())})
     if ARGS.out:
         with open(ARGS.out, "a") as f:

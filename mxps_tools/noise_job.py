@@ -66,6 +66,8 @@ _p.add_argument("--batch", type=int, default=16, help="samples per worker per st
 _p.add_argument("--lr", type=float, default=0.02)
 _p.add_argument("--momentum", type=float, default=0.9)
 _p.add_argument("--sync-every", type=int, default=1)
+_p.add_argument("--compression", default="",
+                help="TYPE[:THRESHOLD]: the Trainer's gradient compression (2bit, 1bit; k = 1)")
 ARGS = _p.parse_args()
 
 if ARGS.kvstore.startswith("mxps"):
@@ -75,7 +77,7 @@ import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
-from mxps_tools import noise  # noqa: E402
+from mxps_tools import compressed, noise  # noqa: E402
 
 
 def build(model, classes):
@@ -170,7 +172,12 @@ def make_trainer(a, net, kv, workers, steps):
     """The Trainer (k = 1: on the kvstore) and, for local SGD, the parameters to average."""
     opt = {"learning_rate": a.lr, "momentum": a.momentum, "wd": 1e-4}
     if a.sync_every == 1:
-        return gluon.Trainer(net.collect_params(), "sgd", opt, kvstore=kv), None
+        kw = {}
+        if a.compression:
+            kw["compression_params"] = compressed.params_from_arg(a.compression)
+        return gluon.Trainer(net.collect_params(), "sgd", opt, kvstore=kv, **kw), None
+    if a.compression:
+        raise SystemExit("--compression compresses the Trainer's gradients (--sync-every 1)")
     params = list(net.collect_params().values())
     for i, p in enumerate(params):          # everybody starts from rank 0's weights
         kv.init(i, p.data())
@@ -189,6 +196,8 @@ def train(a, split, info):
     net(mx.nd.array(split.x_train[:2]).reshape(shape))       # deferred shapes, before the kvstore
     net.hybridize()
     kv = mx.kv.create(a.kvstore)
+    if a.compression:
+        compressed.push_then_pull(kv)       # native refuses compression in pushpull
     traffic = Traffic(kv)
     rank, workers = kv.rank, kv.num_workers
     n = len(split.y_train)
