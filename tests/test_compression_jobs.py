@@ -62,3 +62,38 @@ def test_a_1bit_job_trains_the_same_by_pushpull_and_by_push_then_pull(jobs):
     assert_weights_close(wa, wb, rtol=0.0, what="1bit pushpull vs push then pull")
     wp = load_weights(plain.out_dir, 0)
     assert all(np.linalg.norm(wa[k] - wp[k]) > 0.05 * np.linalg.norm(wp[k]) for k in wp)
+
+
+TWO_BIT = {"JOB_COMPRESSION": "2bit:0.0625"}
+FORCED = dict(MXPS_REPLAN_FORCE=1, MXPS_REPLAN_INTERVAL=1, MXPS_MIN_SLICE=64,
+              MXPS_MAX_CHUNK=300, MXPS_LOG_LEVEL="INFO")
+
+
+@pytest.mark.parametrize("how", ["quiescent", "overlapped"])
+def test_a_2bit_job_replanned_every_step_ends_with_the_fixed_plan_weights(jobs, how):
+    """Every slice moves to another server before every round: the residual is the whole
+    key's, so each new slice takes its part as it is (a residual cut with the slices would
+    lose or repeat what quantization held back)."""
+    fixed = jobs.train(train_env("mxps", steps=12, **TWO_BIT), 2, 2)
+    env = dict(FORCED, MXPS_REPLAN_OVERLAP="1" if how == "overlapped" else "0")
+    moving = jobs.train(train_env("mxps", steps=12, **dict(env, **TWO_BIT)), 2, 2)
+    plans = [p for p in moving.result.job_info["replan_points"] if p["new_plan"]]
+    assert [p["round"] for p in plans] == list(range(2, 13)), plans
+    assert_weights_close(assert_synchronised(moving.out_dir, 2),
+                         assert_synchronised(fixed.out_dir, 2), rtol=0.0,
+                         what="2bit re-planned every step vs a fixed plan")
+
+
+@pytest.mark.parametrize("feature", ["wsp_k2", "disk_store"])
+def test_a_2bit_job_with_another_feature_ends_as_the_plain_2bit_job(jobs, tmp_path, feature):
+    """WSP with k = W is BSP; the disk store holds what RAM holds: each ends with the weights
+    of the plain 2bit job (the servers read every push through one function)."""
+    env = {"wsp_k2": dict(MXPS_MODE="wsp", MXPS_WSP_K=2),
+           "disk_store": dict(MXPS_STORE="disk", MXPS_STORE_DIR=str(tmp_path / "store"),
+                              MXPS_STORE_CACHE_MB=1)}[feature]
+    plain = jobs.train(train_env("mxps", steps=12, update_on_kvstore=True, **TWO_BIT), 2, 2)
+    both = jobs.train(train_env("mxps", steps=12, update_on_kvstore=True,
+                                **dict(env, **TWO_BIT)), 2, 2)
+    assert_weights_close(assert_synchronised(both.out_dir, 2),
+                         assert_synchronised(plain.out_dir, 2), rtol=0.0,
+                         what="2bit with %s vs 2bit" % feature)

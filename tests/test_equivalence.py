@@ -106,6 +106,8 @@ CASES += [
     ("sgd-2x2-2bit-push_then_pull", 2, 2, dict(JOB_PUSH_PULL=1, **TWO_BIT),
      dict(JOB_PUSH_PULL=1, **TWO_BIT)),
     ("sgd-2x2-2bit-pushpull", 2, 2, dict(JOB_PUSH_PULL=1, **TWO_BIT), dict(**TWO_BIT)),
+    ("sgd-2x2-2devices-2bit", 2, 2, dict(devices=2, JOB_PUSH_PULL=1, **TWO_BIT),
+     dict(devices=2, **TWO_BIT)),
     ("sgd-3x2-2bit-update_on_workers", 3, 2,
      dict(update_on_kvstore=False, JOB_PUSH_PULL=1, **TWO_BIT),
      dict(update_on_kvstore=False, **TWO_BIT)),
