@@ -18,9 +18,10 @@ import tempfile
 from mxps_tools import jobs
 from mxps_tools.bench import job_secret_env
 
-SYSTEMS = [("native", "dist_sync", ""), ("native 2bit", "dist_sync", "2bit:0.5"),
-           ("mxps", "mxps", ""), ("mxps 2bit", "mxps", "2bit:0.5"),
-           ("mxps 1bit", "mxps", "1bit:0")]
+SYSTEMS = [("native", "dist_sync", ""), ("mxps", "mxps", ""),
+           ("native 2bit 0.5", "dist_sync", "2bit:0.5"), ("mxps 2bit 0.5", "mxps", "2bit:0.5"),
+           ("native 2bit 0.05", "dist_sync", "2bit:0.05"),
+           ("mxps 2bit 0.05", "mxps", "2bit:0.05"), ("mxps 1bit 0", "mxps", "1bit:0")]
 
 
 def run(name, kvstore, compression, seed, a, root):
@@ -58,13 +59,13 @@ def main(argv=None):
             for i in range(len(SYSTEMS)):          # interleaved, order rotated per seed
                 name, kv, comp = SYSTEMS[(i + seed) % len(SYSTEMS)]
                 rows.append(run(name, kv, comp, seed, a, root))
-                print("%-12s seed %d: final accuracy %.4f" % (
+                print("%-16s seed %d: final accuracy %.4f" % (
                     name, seed, rows[-1]["accuracy"][-1]), flush=True)
-    print("\nsystem        final test accuracy, mean (min-max) over seeds %s, %d epochs"
+    print("\nsystem            final test accuracy, mean (min-max) over seeds %s, %d epochs"
           % (a.seeds, a.epochs))
     for name, _, _ in SYSTEMS:
         finals = [r["accuracy"][-1] for r in rows if r["system"] == name]
-        print("%-12s  %.4f (%.4f-%.4f)" % (name, statistics.mean(finals), min(finals),
+        print("%-16s  %.4f (%.4f-%.4f)" % (name, statistics.mean(finals), min(finals),
                                            max(finals)))
     if a.json:
         with open(a.json, "w") as f:
