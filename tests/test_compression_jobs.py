@@ -97,3 +97,15 @@ def test_a_2bit_job_with_another_feature_ends_as_the_plain_2bit_job(jobs, tmp_pa
     assert_weights_close(assert_synchronised(both.out_dir, 2),
                          assert_synchronised(plain.out_dir, 2), rtol=0.0,
                          what="2bit with %s vs 2bit" % feature)
+
+
+def test_a_2bit_async_job_of_one_worker_ends_as_the_sync_one(jobs):
+    """dist_async applies each push on arrival; with one worker that is exactly sync's round
+    (async has no bit-exact reference with more workers: arrival order decides)."""
+    sync = jobs.train(train_env("mxps", steps=12, update_on_kvstore=True, **TWO_BIT), 1, 2)
+    async_ = jobs.train(train_env("mxps_async", steps=12, **TWO_BIT), 1, 2)
+    assert_weights_close(load_weights(async_.out_dir, 0), load_weights(sync.out_dir, 0),
+                         rtol=0.0, what="2bit async (1 worker) vs sync")
+    plain = jobs.train(train_env("mxps", steps=12, update_on_kvstore=True), 1, 2)
+    wp = load_weights(plain.out_dir, 0)
+    assert any(np.linalg.norm(load_weights(sync.out_dir, 0)[k] - wp[k]) > 1e-3 for k in wp)
