@@ -1,11 +1,14 @@
 """Inputs refused where they cannot work, and every dtype that can work, working.
 
-The worker refuses before anything is sent: an array off the CPU (mxps reads and writes host
-memory in place), a dtype the wire does not carry, an integer key with the optimizer on the
-servers (MXNet's update operators are floating point only), a second init of a key (it would
-reset the key's value and rounds on the servers; MXNet's local kvstore refuses it too).  These
-run on a kvstore that never joined a job: had a check let the call through, it would fail on
-the missing connection instead of raising the error asserted.
+The worker refuses before anything is sent: a dtype the wire does not carry, an integer key
+with the optimizer on the servers (MXNet's update operators are floating point only), a second
+init of a key (it would reset the key's value and rounds on the servers; MXNet's local kvstore
+refuses it too).  These run on a kvstore that never joined a job: had a check let the call
+through, it would fail on the missing connection instead of raising the error asserted.
+
+Arrays on a GPU are taken (this CPU build of MXNet cannot make them: ``OnGpu`` is a CPU array
+that reports gpu(0), so every decision is taken as for a GPU and every copy is MXNet's own):
+a push sums them into pinned host memory, a pull fills a pinned buffer MXNet copies onto each.
 
 End to end (tests/jobs/dtype_job.py): 2 workers push and pull keys of all seven dtypes MXNet's
 dist kvstore carries through 2 servers (every key cut over both) and get exactly what MXNet's
@@ -21,7 +24,7 @@ import numpy as np
 import pytest
 
 import cluster
-from mxps.adapter.kvstore import MXPS, _Key, check_context
+from mxps.adapter.kvstore import MXPS, _Key, on_host
 from mxps.adapter.ndview import numpy_view
 from mxps.placement.plan import Plan
 
@@ -56,45 +59,77 @@ def bare_kvstore(keys=(), optimizer=None):
     return kv
 
 
-# --- contexts -----------------------------------------------------------------------------------
+# --- contexts: arrays off the host are staged through host buffers ---------------------------
 
-GPU_MESSAGE = ("mxps: %s of key 'w': the array is on gpu(0), but mxps moves CPU arrays only: "
-               "copy it first (array.as_in_context(mx.cpu()))")
+class Served:
+    """Stands in for the network: ``_launch`` as an engine operation that reads the pushed
+    host array and fills the pulled one with ``value`` (what the servers would answer)."""
+
+    def __init__(self, kv, value):
+        self.value, self.pushed = value, []
+        kv._launch = self.launch
+
+    def launch(self, k, msg, src, dst, priority):
+        if src is not None:
+            assert src.context.device_type in ("cpu", "cpu_pinned"), src.context
+            self.pushed.append((src.context, src.asnumpy().copy()))
+        if dst is not None:
+            assert dst.context.device_type in ("cpu", "cpu_pinned"), dst.context
+            dst[:] = self.value
 
 
-def test_init_of_an_array_on_a_gpu_is_refused_naming_key_and_context():
-    kv = bare_kvstore()
-    with pytest.raises(ValueError) as e:
-        kv.init("w", on_gpu())
-    assert str(e.value) == GPU_MESSAGE % "init"
-    assert kv._keys == {}
-
-
-@pytest.mark.parametrize("op", ["push", "pull", "pushpull", "pushpull_out"])
-def test_push_and_pull_of_an_array_on_a_gpu_are_refused_naming_key_and_context(op):
+def staging_kvstore():
     kv = bare_kvstore(keys=[("w", np.float32)])
-    cpu = mx.nd.zeros((4,))
-    call, what = {"push": (lambda: kv.push("w", on_gpu()), "push"),
-                  "pull": (lambda: kv.pull("w", out=on_gpu()), "pull"),
-                  "pushpull": (lambda: kv.pushpull("w", on_gpu(), out=cpu), "push"),
-                  "pushpull_out": (lambda: kv.pushpull("w", cpu, out=on_gpu()), "pull")}[op]
-    with pytest.raises(ValueError) as e:
-        call()
-    assert str(e.value) == GPU_MESSAGE % what
-    assert kv._keys["w"].pushes == 0
+    kv._round, kv._trace, kv._next_replan = 0, None, None
+    return kv
 
 
-def test_one_gpu_array_among_a_workers_devices_is_refused_too():
-    kv = bare_kvstore(keys=[("w", np.float32)])
-    with pytest.raises(ValueError, match="push of key 'w': the array is on gpu"):
-        kv.push("w", [mx.nd.zeros((4,)), on_gpu()])
+def test_a_push_from_gpus_sums_them_into_pinned_host_memory_by_mxnets_copies():
+    kv = staging_kvstore()
+    served = Served(kv, 0)
+    a, b = on_gpu(), on_gpu()
+    a[:] = 1
+    b[:] = 2
+    kv.push("w", [a, b])
+    kv.push("w", a)                                # one device: copied, not read in place
+    mx.nd.waitall()
+    assert [(c, v.tolist()) for c, v in served.pushed] == [
+        (mx.cpu_pinned(0), [3.0] * 4), (mx.cpu_pinned(0), [1.0] * 4)]
+    assert kv._keys["w"].pushes == 2
+
+
+@pytest.mark.parametrize("op", ["pull", "pushpull", "pushpull_in_place"])
+def test_a_pull_onto_gpus_fills_a_pinned_buffer_that_mxnet_copies_onto_each(op):
+    kv = staging_kvstore()
+    Served(kv, 7)
+    outs = [on_gpu(), on_gpu()]
+    if op == "pull":
+        kv.pull("w", out=outs)
+    elif op == "pushpull":
+        kv.pushpull("w", [on_gpu(), on_gpu()], out=outs)
+    else:
+        kv.pushpull("w", outs)                     # out=None: the gradients get the values
+    mx.nd.waitall()
+    assert [o.asnumpy().tolist() for o in outs] == [[7.0] * 4] * 2
+    assert kv._keys["w"].pull_buf.context == mx.cpu_pinned(0)
+
+
+def test_arrays_in_host_memory_are_read_and_written_in_place_without_a_buffer():
+    kv = staging_kvstore()
+    served = Served(kv, 5)
+    out = mx.nd.zeros((4,), ctx=mx.cpu(2))
+    kv.pushpull("w", mx.nd.ones((4,)), out=out)
+    mx.nd.waitall()
+    assert out.asnumpy().tolist() == [5.0] * 4 and served.pushed[0][0] == mx.cpu(0)
+    k = kv._keys["w"]
+    assert k.reduce_buf is None and k.pull_buf is None
 
 
 @pytest.mark.parametrize("ctx", [mx.cpu(0), mx.cpu(3), mx.cpu_pinned(0),
                                  mx.Context("cpu_shared", 0)])
-def test_every_host_memory_context_is_accepted_and_readable_in_place(ctx):
+def test_every_host_memory_context_is_read_in_place(ctx):
     a = mx.nd.array(np.arange(6, dtype=np.float32), ctx=ctx)
-    check_context("w", "push", a)
+    assert on_host(a) and not on_host(on_gpu())
     a.wait_to_read()
     view = numpy_view(a)
     np.testing.assert_array_equal(view, np.arange(6))

@@ -8,10 +8,15 @@ slice's reply has been copied in.  A tiny per-key "sequence" array is written by
 of a key, so operations on one key run in the order they were issued (push then pull sees the
 push), while different keys proceed concurrently.
 
-Inputs are refused here, before anything is sent, where they cannot work: arrays off the CPU
-(mxps moves host memory), dtypes the wire does not carry, integer keys with the optimizer on the
-servers (MXNet's update operators are floating point only), and a second init of a key (MXNet's
-local kvstore refuses it too; on the servers it would reset the key's value and rounds).
+Arrays on any context are taken, as MXNet's own kvstore takes them: mxps reads and writes host
+memory in place, so a key's arrays on other devices (GPUs) are summed into a host buffer by
+MXNet's own engine copies (pinned memory for GPUs) and a pull fills a host buffer that MXNet
+then copies onto every device (``_reduce``, ``_pull_target``).
+
+Inputs are refused here, before anything is sent, where they cannot work: dtypes the wire does
+not carry, integer keys with the optimizer on the servers (MXNet's update operators are floating
+point only), and a second init of a key (MXNet's local kvstore refuses it too; on the servers it
+would reset the key's value and rounds).
 Optimizer states travel as typed payloads (``mxps.wire.typed``); the optimizer object itself
 is pickled to the servers as MXNet does, by worker 0 only.
 """
@@ -52,7 +57,7 @@ class KeyError_(KeyError):
 
 class _Key:
     __slots__ = ("name", "id", "shape", "dtype", "code", "size", "slices", "pushes", "seq",
-                 "reduce_buf", "cols", "residual")
+                 "reduce_buf", "pull_buf", "cols", "residual")
 
     def __init__(self, name, id_, shape, dtype, slices):
         self.name = name
@@ -66,7 +71,10 @@ class _Key:
         self.slices = slices
         self.pushes = 0
         self.seq = mx.nd.zeros((1,), ctx=mx.cpu(0))
+        # host buffers (made on first use): the sum of a push's arrays, and a pull's values
+        # before MXNet copies them onto arrays that are not in host memory (GPUs)
         self.reduce_buf = None
+        self.pull_buf = None
         # gradient compression: what quantization has not sent yet, over the whole key (so a
         # re-plan that moves the key's slices re-slices it as it is), made on the first push
         self.residual = None
@@ -140,12 +148,16 @@ def _install_exit_hooks(client):
 HOST_DEVICES = ("cpu", "cpu_pinned", "cpu_shared")     # contexts whose memory mxps can read
 
 
-def check_context(name, what, array):
-    """``array`` (an NDArray) must live in host memory: mxps reads and writes it in place."""
-    ctx = array.context
-    if ctx.device_type not in HOST_DEVICES:
-        raise ValueError("mxps: %s of key %r: the array is on %s, but mxps moves CPU arrays only: "
-                         "copy it first (array.as_in_context(mx.cpu()))" % (what, name, ctx))
+def on_host(array):
+    """Whether mxps can read and write ``array`` (an NDArray) in place: host memory."""
+    return array.context.device_type in HOST_DEVICES
+
+
+def staging_context(arrays):
+    """Where the host copy of arrays on other devices goes: pinned memory if any is on a GPU
+    (what a GPU copies to and from fastest, as MXNet's own kvstore stages), else cpu(0)."""
+    return mx.cpu_pinned(0) if any(a.context.device_type == "gpu" for a in arrays) \
+        else mx.cpu(0)
 
 
 def check_compressible(name, dtype):
@@ -360,7 +372,6 @@ class MXPS(KVStoreBase):
             if a.stype != "default":
                 raise TypeError("mxps: %s of key %r: sparse storage (%s) is not supported"
                                 % (what, k.name, a.stype))
-            check_context(k.name, what, a)
             if tuple(a.shape) != k.shape:
                 raise ValueError("mxps: %s of key %r: shape %s differs from the shape %s it was "
                                  "initialised with" % (what, k.name, tuple(a.shape), k.shape))
@@ -421,7 +432,6 @@ class MXPS(KVStoreBase):
             if not isinstance(v, mx.nd.NDArray):
                 raise TypeError("mxps: init of key %r: expected NDArray, got %s"
                                 % (name, type(v).__name__))
-            check_context(name, "init", v)
         try:
             wire.dtype_code(vals[0].dtype)
         except wire.WireError as e:
@@ -441,15 +451,28 @@ class MXPS(KVStoreBase):
 
     # -- the data path -----------------------------------------------------------------------
     def _reduce(self, k, vals):
-        """Sum a key's per-device arrays (an engine op); one device: the array itself."""
-        if len(vals) == 1:
+        """The sum of a key's per-device arrays in host memory (engine operations: MXNet's
+        copies from each device, then its sum); one array in host memory: the array itself."""
+        if len(vals) == 1 and on_host(vals[0]):
             return vals[0]
         if k.reduce_buf is None:
-            k.reduce_buf = mx.nd.zeros(k.shape, ctx=mx.cpu(0), dtype=k.dtype)
-        srcs = [v if v.context == k.reduce_buf.context else v.as_in_context(mx.cpu(0))
-                for v in vals]
-        mx.nd.add_n(*srcs, out=k.reduce_buf)
-        return k.reduce_buf
+            k.reduce_buf = mx.nd.zeros(k.shape, ctx=staging_context(vals), dtype=k.dtype)
+        buf = k.reduce_buf
+        if len(vals) == 1:
+            vals[0].copyto(buf)
+            return buf
+        srcs = [v if v.context == buf.context else v.as_in_context(buf.context) for v in vals]
+        mx.nd.add_n(*srcs, out=buf)
+        return buf
+
+    def _pull_target(self, k, outs):
+        """(the host array a pull fills, the arrays MXNet then copies it onto): the first
+        output if it is in host memory, else the key's pull buffer."""
+        if on_host(outs[0]):
+            return outs[0], outs[1:]
+        if k.pull_buf is None:
+            k.pull_buf = mx.nd.zeros(k.shape, ctx=staging_context(outs), dtype=k.dtype)
+        return k.pull_buf, outs
 
     def _launch(self, k, msg, src, dst, priority):
         """One engine op for key k: send ``src`` slices (PUSH/PUSHPULL), fill ``dst`` (PULL)."""
@@ -610,9 +633,10 @@ class MXPS(KVStoreBase):
                                     "row_sparse_pull(key, out, row_ids=...)"
                                     % (name, ", ".join(sorted({o.stype for o in outs}))))
             self._check(k, outs, "pull")
-            self._launch(k, MsgType.PULL, None, outs[0], priority)
-            for o in outs[1:]:
-                outs[0].copyto(o)
+            dst, rest = self._pull_target(k, outs)
+            self._launch(k, MsgType.PULL, None, dst, priority)
+            for o in rest:
+                dst.copyto(o)
 
     def pushpull(self, key, value, out=None, priority=0):
         groups = _group(key, value)
@@ -629,10 +653,11 @@ class MXPS(KVStoreBase):
             if self._compression is not None:
                 check_compressible(k.name, k.dtype)
             grad = self._reduce(k, vals)
+            dst, rest = self._pull_target(k, outs)
             self._next_push(k)
-            self._launch(k, MsgType.PUSHPULL, grad, outs[0], priority)
-            for o in outs[1:]:
-                outs[0].copyto(o)
+            self._launch(k, MsgType.PUSHPULL, grad, dst, priority)
+            for o in rest:
+                dst.copyto(o)
 
     # -- row-sparse keys (docs/SPARSE.md) ----------------------------------------------------
     def _check_rows(self, k, arrays, what, stype):
@@ -644,7 +669,6 @@ class MXPS(KVStoreBase):
                 raise TypeError("mxps: %s of key %r: expected %s storage, got %s (every "
                                 "device's array must have the same storage)"
                                 % (what, k.name, stype, a.stype))
-            check_context(k.name, what, a)
             if tuple(a.shape) != k.shape or np.dtype(a.dtype) != k.dtype:
                 raise ValueError("mxps: %s of key %r: %s %s differs from the %s %s it was "
                                  "initialised with" % (what, k.name, tuple(a.shape),
