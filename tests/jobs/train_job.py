@@ -21,6 +21,8 @@ Environment:
                          batches an uninterrupted job would.
   JOB_BATCH              batch size per worker (default 32; split across devices).
   JOB_DEVICES            contexts per worker: mx.cpu(0..N-1) (default 1).
+  JOB_CONTEXT            cpu (default) or gpu: the contexts are mx.gpu(0..N-1) (a GPU build
+                         of MXNet; scripts/gpu_check.py).
   JOB_SIMULATE_WORKERS   W: a single process (JOB_KVSTORE=device) plays W synchronous workers
                          exactly, device i fed worker i's data; writes weights for ranks
                          0..W-1 (all the same). The reference where native dist_sync is not.
@@ -117,6 +119,10 @@ if os.environ.get("JOB_COMPRESSION"):
     _type, _threshold = os.environ["JOB_COMPRESSION"].split(":")
     COMPRESSION = {"type": _type, "threshold": float(_threshold)}
 PUSH_PULL = _env_flag("JOB_PUSH_PULL") or False
+CONTEXT = os.environ.get("JOB_CONTEXT", "") or "cpu"
+if CONTEXT not in ("cpu", "gpu"):
+    raise SystemExit("JOB_CONTEXT must be cpu or gpu, got %r" % CONTEXT)
+DEVICE = mx.gpu if CONTEXT == "gpu" else mx.cpu
 HIDDEN = {"mlp": [32, 32], "mlp_big": [2048, 32]}
 
 if not OUT:
@@ -171,6 +177,7 @@ def write_results(rank, num_workers, kv, weights, step_seconds, extra):
         "kvstore_requested": KVSTORE,
         "kvstore_type": kv.type if kv is not None else None,
         "api": API, "optimizer": OPTIMIZER, "model": MODEL, "devices": DEVICES,
+        "context": CONTEXT,
         "steps": STEPS, "step_seconds": step_seconds, "pid": os.getpid(),
     }
     meta.update(extra)
@@ -180,7 +187,7 @@ def write_results(rank, num_workers, kv, weights, step_seconds, extra):
 
 def run_gluon():
     from mxnet import autograd, gluon
-    ctxs = [mx.cpu(i) for i in range(SIMULATE or DEVICES)]
+    ctxs = [DEVICE(i) for i in range(SIMULATE or DEVICES)]
     net = gluon.nn.HybridSequential(prefix="net_")
     with net.name_scope():
         in_units = 64
@@ -302,7 +309,7 @@ def run_module():
         net = mx.sym.Activation(net, act_type="relu", name="relu%d" % i)
     net = mx.sym.FullyConnected(net, num_hidden=10, name="fc_out")
     net = mx.sym.SoftmaxOutput(net, name="softmax")
-    ctxs = [mx.cpu(i) for i in range(DEVICES)]
+    ctxs = [DEVICE(i) for i in range(DEVICES)]
     mod = mx.mod.Module(net, context=ctxs, compression_params=COMPRESSION)
     it = _RankedIter(mod)
     step_seconds = []
