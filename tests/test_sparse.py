@@ -227,15 +227,20 @@ SPARSE_JOB = __import__("os").path.join(__import__("os").path.dirname(__file__),
                                         "sparse_job.py")
 
 
-@pytest.mark.parametrize("weight,optimizer", [("grad", "sgd"), ("weight", "adam")])
+@pytest.mark.parametrize("weight,optimizer,push", [("grad", "sgd", "tcp"),
+                                                    ("weight", "adam", "tcp"),
+                                                    ("grad", "sgd", "ltp")])
 def test_a_sparse_model_trained_by_two_workers_equals_the_one_process_reference(
-        tmp_path, weight, optimizer):
+        tmp_path, weight, optimizer, push):
     """2 workers x 2 servers (the embedding's rows cut across both servers, so rows straddle
     the cut), 12 steps: the final weights of every worker equal the reference's to 1e-5 and
-    the loss went down."""
+    the loss went down.  Under LTP (every slice big enough for it) the row pushes go by TCP
+    and the dense ones by LTP."""
     import cluster
     env = {"SPARSE_WEIGHT": weight, "SPARSE_OPTIMIZER": optimizer,
            "MXNET_KVSTORE_BIGARRAY_BOUND": "1000"}
+    if push == "ltp":
+        env.update(MXPS_PUSH="ltp", MXPS_LTP_MIN_BYTES="1")
     ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"
     cluster.run_single([SPARSE_JOB], env=dict(env, SPARSE_KVSTORE="local", SPARSE_SIMULATE=2,
                                               SPARSE_OUT=str(ref_dir)), timeout=300)

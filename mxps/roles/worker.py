@@ -421,10 +421,11 @@ class Client:
                for t in ("float32", "float64", "float16")}
 
     def _ltp_takes(self, server, h, payload):
-        """Whether LTP takes this push: an uncompressed float slice of MXPS_LTP_MIN_BYTES or
-        more to a server with a path (a compressed push, 16-32x smaller, goes by TCP)."""
-        return not h.flags and self.ltp.takes(server, h, payload, self.cfg.ltp_min_bytes,
-                                              self._FLOATS.get(h.dtype))
+        """Whether LTP takes this push: a dense, uncompressed float slice of
+        MXPS_LTP_MIN_BYTES or more to a server with a path.  A row-sparse push (PUSH_ROWS: ids
+        and rows, not the slice's elements) and a compressed one (16-32x smaller) go by TCP."""
+        return h.type == MsgType.PUSH and not h.flags and self.ltp.takes(
+            server, h, payload, self.cfg.ltp_min_bytes, self._FLOATS.get(h.dtype))
 
     def _ltp_push(self, server, h, payload, on_reply, held):
         """Hand a released push to LTP if it takes it (``_ltp_takes``); its END's ACK
