@@ -209,8 +209,8 @@ def test_state_moves_only_inside_the_replan_point_and_as_much_as_the_scheduler_c
     for r in range(2, STEPS + 1):
         v = r - 1
         lo = max(point_row(n, "replan_sent", r)["time"] for n in workers)
-        # the quiescent switch (MXPS_REPLAN_OVERLAP=0) moves state inside the point; the
-        # overlapped one (the default) from the point on, and the next point waits for it
+        # the quiescent switch (MXPS_REPLAN_OVERLAP=0, the default) moves state inside the
+        # point; the overlapped one from the point on, and the next point waits for it
         hi = min(point_row(n, "replan_answer", r + 1)["time"] for n in workers) \
             if r < STEPS else float("inf")
         in_place = 0
