@@ -36,8 +36,9 @@ FORCED = {"MXPS_REPLAN_FORCE": "1", "MXPS_REPLAN_INTERVAL": "1", "MXPS_MIN_SLICE
 
 @pytest.mark.parametrize("kvstore,updates,extra", [
     ("mxps_async", 2 * 10, {}), ("mxps", 10, {}),
-    ("mxps_async", 2 * 10, FORCED), ("mxps", 10, FORCED)],
-    ids=["async", "sync", "async-replanned", "sync-replanned"])
+    ("mxps_async", 2 * 10, FORCED), ("mxps", 10, FORCED),
+    ("mxps_async", 2 * 10, dict(FORCED, MXPS_REPLAN_OVERLAP="1"))],
+    ids=["async", "sync", "async-replanned", "sync-replanned", "async-overlapped-moves"])
 def test_async_applies_every_push_on_its_own_sync_once_per_round(tmp_path, kvstore, updates,
                                                                  extra):
     # 2 workers x 10 steps: the servers' optimizer counts one update per push in async mode

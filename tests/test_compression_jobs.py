@@ -84,13 +84,15 @@ def test_a_2bit_job_replanned_every_step_ends_with_the_fixed_plan_weights(jobs, 
                          what="2bit re-planned every step vs a fixed plan")
 
 
-@pytest.mark.parametrize("feature", ["wsp_k2", "disk_store"])
+@pytest.mark.parametrize("feature", ["wsp_k2", "disk_store", "ltp"])
 def test_a_2bit_job_with_another_feature_ends_as_the_plain_2bit_job(jobs, tmp_path, feature):
-    """WSP with k = W is BSP; the disk store holds what RAM holds: each ends with the weights
-    of the plain 2bit job (the servers read every push through one function)."""
+    """WSP with k = W is BSP; the disk store holds what RAM holds (the servers read every push
+    through one function); under LTP every compressed push goes by TCP: each ends with the
+    weights of the plain 2bit job."""
     env = {"wsp_k2": dict(MXPS_MODE="wsp", MXPS_WSP_K=2),
            "disk_store": dict(MXPS_STORE="disk", MXPS_STORE_DIR=str(tmp_path / "store"),
-                              MXPS_STORE_CACHE_MB=1)}[feature]
+                              MXPS_STORE_CACHE_MB=1),
+           "ltp": dict(MXPS_PUSH="ltp", MXPS_LTP_MIN_BYTES=1)}[feature]
     plain = jobs.train(train_env("mxps", steps=12, update_on_kvstore=True, **TWO_BIT), 2, 2)
     both = jobs.train(train_env("mxps", steps=12, update_on_kvstore=True,
                                 **dict(env, **TWO_BIT)), 2, 2)
