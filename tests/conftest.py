@@ -66,6 +66,7 @@ FILE_TIERS = {
     "test_no_pickle.py": "unit",
     "test_noise.py": "cluster",
     "test_patching.py": "cluster",
+    "test_pairs.py": "cluster",
     "test_plan.py": "unit",
     "test_push_gate.py": "unit",
     "test_replan.py": "cluster",
