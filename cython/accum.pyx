@@ -16,7 +16,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 
 import numpy as np
 
-# dtype codes shared with mxps/wire/frame.py
+# dtype codes of mxps/kernels/dtypes.py (MXNet's type flags, the wire's too)
 DEF F32 = 0
 DEF F64 = 1
 DEF F16 = 2

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mxps.kernels import _engine, engine_py
-from mxps.adapter.ndview import numpy_view
+from mxps.kernels.ndview import numpy_view
 
 PUSH_ASYNC_ND = ctypes.cast(mx.base._LIB.MXEnginePushAsyncND, ctypes.c_void_p).value
 TIMEOUT = 60.0

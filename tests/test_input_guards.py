@@ -25,7 +25,7 @@ import pytest
 
 import cluster
 from mxps.adapter.kvstore import MXPS, _Key, on_host
-from mxps.adapter.ndview import numpy_view
+from mxps.kernels.ndview import numpy_view
 from mxps.placement.plan import Plan
 
 JOB = os.path.join(cluster.JOBS_DIR, "dtype_job.py")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mxps.roles import sparse
+from mxps.store import row_sets as sparse
 from mxps.roles.server_state import ServerState
 from mxps.wire import typed
 from mxps.wire.frame import Header, MsgType, dtype_code

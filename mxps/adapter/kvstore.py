@@ -37,13 +37,13 @@ from ..kernels import engine
 from ..placement import plan as plan_mod, trace as trace_mod
 from ..placement.metrics import StepMetrics
 from ..placement.plan import Plan, ProportionalRule, chunked_rule, mxnet_default_rule
-from ..roles import sparse as sparse_rows
+from ..store import row_sets as sparse_rows
 from ..store.table_init import TableInit
 from ..roles.link import PeerLostError, fatal
 from ..roles.worker import Client
 from ..wire import compression as compression_mod, frame as wire, typed
 from ..wire.frame import Header, MsgType
-from .ndview import cut_state, handle_value, numpy_view
+from ..kernels.ndview import cut_state, handle_value, numpy_view
 
 log = logging.getLogger("mxps")
 

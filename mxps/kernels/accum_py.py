@@ -2,7 +2,7 @@
 for every dtype the wire carries (float32/64/16, uint8, int32, int8, int64)."""
 import numpy as np
 
-from ..wire.frame import dtype_of
+from .dtypes import DTYPES
 
 
 def add_into(acc, src, dtype_code):
@@ -13,7 +13,7 @@ def add_into(acc, src, dtype_code):
         raise ValueError("accumulator has %d bytes, slice has %d" % (a.nbytes, b.nbytes))
     if dtype_code not in (0, 1, 2, 3, 4, 5, 6):
         raise ValueError("add_into: unsupported dtype code %d" % dtype_code)
-    dt = dtype_of(dtype_code)
+    dt = DTYPES[dtype_code]
     if a.nbytes % dt.itemsize:
         raise ValueError("add_into: %d bytes is not a whole number of %d-byte elements"
                          % (a.nbytes, dt.itemsize))

@@ -45,7 +45,7 @@ import time
 import mxnet as mx
 import numpy as np
 
-from ..adapter.ndview import cut_state, numpy_view
+from ..kernels.ndview import cut_state, numpy_view
 from ..kernels.accum import add_into, copy_into
 from ..ltp import close as ltp_close, packet as ltp_packet, rounds as ltp_rounds
 from ..placement import plan
@@ -57,7 +57,8 @@ from ..store.memory import MemorySlice
 from ..wire import compression, frame as wire, typed
 from ..wire.auth import Tally
 from ..wire.frame import MsgType
-from . import sparse, wsp as wsp_rules
+from ..store import row_sets as sparse
+from . import wsp as wsp_rules
 
 log = logging.getLogger("mxps.server")
 

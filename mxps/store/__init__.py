@@ -7,5 +7,6 @@ numbers only through that small interface.
 
 ``rows`` holds tables of rows with their optimizer state (``MemoryRows``, and ``DiskRows``: one
 file per table behind a RAM cache with a byte budget, the disk being a checkpoint), the store
-behind DRPS (docs/STORE.md); ``rows_cache`` its eviction policies.
+behind DRPS (docs/STORE.md); ``rows_cache`` its eviction policies; ``row_sets`` the rows of a
+row-sparse push or pull inside a slice (the worker's adapter cuts them, the server places them).
 """

@@ -16,8 +16,8 @@ some elements), and take an update-on-workers sum as its value.  Each runs the o
 import mxnet as mx
 import numpy as np
 
-from ..adapter.ndview import numpy_view
-from ..roles import sparse
+from ..kernels.ndview import numpy_view
+from . import row_sets as sparse
 from .rows import DiskRows, MemoryRows, RowLayout
 
 #: rows of a 1-D key's table (elements): its I/O granularity

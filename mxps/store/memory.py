@@ -2,7 +2,7 @@
 import mxnet as mx
 import numpy as np
 
-from ..adapter.ndview import numpy_view
+from ..kernels.ndview import numpy_view
 
 
 class MemorySlice:

@@ -28,16 +28,16 @@ import struct
 
 import numpy as np
 
+from ..kernels.dtypes import DTYPES
+
 MAGIC = b"MXPS"
 WIRE_VERSION = 1
 _HEADER = struct.Struct("<4sBBBBiiqIiQQQ")
 HEADER_SIZE = _HEADER.size
 NO_DTYPE = 255
 
-# dtype codes follow MXNet's own type flags (mshadow::TypeFlag)
-_DTYPES = {0: np.dtype("float32"), 1: np.dtype("float64"), 2: np.dtype("float16"),
-           3: np.dtype("uint8"), 4: np.dtype("int32"), 5: np.dtype("int8"),
-           6: np.dtype("int64")}
+# dtype codes follow MXNet's own type flags (mshadow::TypeFlag): the kernels' table
+_DTYPES = DTYPES
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
