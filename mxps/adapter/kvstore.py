@@ -318,6 +318,7 @@ class MXPS(KVStoreBase):
         self._optimizer = None
         self._updater = None
         self._compression = None    # set_gradient_compression's codec
+
     # -- properties MXNet reads --------------------------------------------------------------
     @property
     def type(self):
