@@ -40,7 +40,7 @@ from libc.string cimport memcpy, memset
 from posix.uio cimport iovec
 
 from . import ltp_py as _twin
-from ..ltp import packet as _pk
+from . import ltp_packet as _pk
 
 
 cdef extern from "<sys/socket.h>" nogil:
@@ -352,15 +352,16 @@ def send_batch(sock, msgs):
 
 
 # ---------------------------------------------------------------------------------- open_batch
-# ltp/packet.py's layout (little-endian): magic 0, version 2, type 3, worker 4, dtype 6, pn 8,
-# key 12, plan version 16, round 20, offset 28, length 36, seq 44, count 48; payload 52; tag -16
+# kernels/ltp_packet.py's layout (little-endian): magic 0, version 2, type 3, worker 4, dtype 6,
+# pn 8, key 12, plan version 16, round 20, offset 28, length 36, seq 44, count 48; payload 52;
+# tag -16
 cdef enum:
     HEADER = 52
     TAG = 16
     OVERHEAD = 68
 
 assert _pk.HEADER_SIZE == HEADER and _pk.TAG_SIZE == TAG and _pk.MAGIC == b"LT", \
-    "mxps/kernels/_ltp is out of date with mxps/ltp/packet.py: rebuild it (pip install .)"
+    "mxps/kernels/_ltp is out of date with mxps/kernels/ltp_packet.py: rebuild it (pip install .)"
 
 cdef int _VERSION = _pk.VERSION
 cdef int _DATA = _pk.DATA
@@ -378,7 +379,7 @@ cdef inline uint64_t _u(const uint8_t *p, int n) noexcept nogil:
 
 
 cdef struct _Head:
-    # a verified packet's header (ltp/packet.py's fields)
+    # a verified packet's header (kernels/ltp_packet.py's fields)
     int type_
     Py_ssize_t worker
     int dtype

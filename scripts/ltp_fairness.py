@@ -271,7 +271,7 @@ class LtpReceiverAgent:
     def __init__(self):
         from mxps_tools import incast, runtime
         self.cls = _counting_receiver(incast.load_transport("ltp")[1],
-                                      runtime.module("ltp.packet").DATA)
+                                      runtime.module("kernels.ltp_packet").DATA)
 
     def setup(self, out, senders, port, mtu):
         self.senders = senders

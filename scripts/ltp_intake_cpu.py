@@ -29,7 +29,7 @@ import numpy as np
 
 from mxps.kernels import ltp as kernels
 from mxps.kernels.ltp import send_batch
-from mxps.ltp import packet as pk
+from mxps.kernels import ltp_packet as pk
 from mxps.ltp.receiver import Receiver
 from mxps.roles.server_state import LtpSettings, ServerState
 from mxps.wire.frame import Header, MsgType, dtype_code

@@ -78,7 +78,7 @@ def sender(args):
     import numpy as np
 
     from mxps.kernels import ltp as kernels
-    from mxps.ltp import packet as pk
+    from mxps.kernels import ltp_packet as pk
     from mxps.ltp.sender import Sender
 
     length = args.mb * (1 << 20) // 4

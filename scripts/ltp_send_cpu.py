@@ -24,7 +24,7 @@ import types
 import numpy as np
 
 from mxps.kernels import ltp as kernels
-from mxps.ltp import packet as pk
+from mxps.kernels import ltp_packet as pk
 from mxps.ltp.rate import PathRate
 from mxps.ltp.sender import PUMP_CREDIT, Sender
 

@@ -2,7 +2,7 @@
 server's state under loss, the UDP endpoints, and two LTP training jobs.
 
 Layers, each checked on its own so that a failure names its layer:
-- packets (``ltp.packet``): the datagram format, the tags, the ACKs;
+- packets (``kernels.ltp_packet``): the datagram format, the tags, the ACKs;
 - one slice's round (``ltp.rounds.LtpRound``): hypothesis against a numpy reference of the sum
   under each filling;
 - the server's state, in process, fed verified packets with deterministic drops: the applied
@@ -33,7 +33,7 @@ from hypothesis import given, settings, strategies as st
 
 import cluster
 from cluster import assert_synchronised, assert_weights_close, load_weights, train_env
-from mxps.ltp import packet as pk
+from mxps.kernels import ltp_packet as pk
 from mxps.ltp import rate
 from mxps.ltp import close as close_rule
 from mxps.ltp.close import deadline_for

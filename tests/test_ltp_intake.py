@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mxps.kernels import _ltp, ltp_py
-from mxps.ltp import packet as pk
+from mxps.kernels import ltp_packet as pk
 from mxps.ltp import receiver as receiver_mod
 from mxps.ltp.receiver import Receiver
 from mxps.roles.server_state import LtpSettings, ServerState

@@ -30,7 +30,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mxps.kernels import _ltp, ltp_py
-from mxps.ltp import packet as pk
+from mxps.kernels import ltp_packet as pk
 from mxps.ltp import receiver as receiver_mod
 from mxps.ltp import sender as sender_mod
 from mxps.wire.frame import Header, MsgType, WireError, dtype_code

@@ -1,6 +1,6 @@
 """LTP's batched UDP I/O and packet opening: the compiled ``mxps.kernels._ltp`` (recvmmsg,
 sendmmsg, headers and tags checked in C) unless MXPS_PURE_PYTHON=1 (its twin ``ltp_py``: loops
-of ``recvfrom_into`` / ``sendmsg`` and ``ltp.packet``'s own checks)."""
+of ``recvfrom_into`` / ``sendmsg`` and ``kernels.ltp_packet``'s own checks)."""
 from ._select import implementation
 
 _impl, IMPLEMENTATION = implementation("_ltp", "ltp_py", "ltp.pyx")

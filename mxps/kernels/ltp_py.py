@@ -20,8 +20,8 @@ module (MXPS_PURE_PYTHON=1 selects it).
 - ``open_batch(view, slot_size, got, paths, itemsize_of)``: the datagrams ``recv_batch`` put
   in the ring (``view``: a byte memoryview of it; ``got``: what recv_batch returned), each
   opened if it is an LTP packet a server accepts: the worker it names has a path
-  (``paths[worker]``: ``(registered address, ltp.packet.Tagger)`` or None), it came from that
-  address, its tag verifies with that path's key, and it decodes (``ltp.packet.decode``, with
+  (``paths[worker]``: ``(registered address, ltp_packet.Tagger)`` or None), it came from that
+  address, its tag verifies with that path's key, and it decodes (``ltp_packet.decode``, with
   ``itemsize_of``).  Returns one entry per datagram: ``(Fields, payload memoryview)``, or None
   for a datagram that fails any of these; the caller runs the reference checks on those (to
   count and log why), so this only decides which datagrams take the fast path.  ``intake``
@@ -39,7 +39,7 @@ import struct
 
 import numpy as np
 
-from ..ltp import packet as pk
+from . import ltp_packet as pk
 from .accum import add_into
 
 MAX_BATCH = 1024          # recvmmsg/sendmmsg take at most UIO_MAXIOV (1024) messages per call

@@ -21,7 +21,8 @@ import time
 
 import numpy as np
 
-from . import close, packet as pk
+from . import close
+from ..kernels import ltp_packet as pk
 from ..config import ltp_settings
 from .receiver import Receiver
 from .rounds import LtpRound

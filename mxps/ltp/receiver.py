@@ -38,7 +38,7 @@ import logging
 import secrets
 import socket
 
-from . import packet as pk
+from ..kernels import ltp_packet as pk
 from .others import ForeignTcp
 from .share import Share
 from ..kernels import ltp_py

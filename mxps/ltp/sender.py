@@ -30,7 +30,7 @@ import math
 import random
 import socket
 
-from . import packet as pk
+from ..kernels import ltp_packet as pk
 from ..kernels.ltp import recv_batch, send_batch, send_run
 from .rate import PathRate
 from .receiver import SO_RCVBUFFORCE, SO_SNDBUFFORCE, big_buffer

@@ -47,7 +47,8 @@ import numpy as np
 
 from ..kernels.ndview import cut_state, numpy_view
 from ..kernels.accum import add_into, copy_into
-from ..ltp import close as ltp_close, packet as ltp_packet, rounds as ltp_rounds
+from ..kernels import ltp_packet
+from ..ltp import close as ltp_close, rounds as ltp_rounds
 from ..placement import plan
 from ..store.disk import DiskSlice, geometry as disk_geometry, state_template, \
     step as disk_step
@@ -1208,7 +1209,7 @@ class ServerState:
     _ltp_now = 0.0     # the time of the last packet or tick (a TCP push into an LTP round)
 
     def on_packet(self, f, payload, now):
-        """A verified LTP packet (``ltp.packet.Fields``, its payload) at ``now``; returns the
+        """A verified LTP packet (``ltp_packet.Fields``, its payload) at ``now``; returns the
         ``Out``s it causes (answers to pulls of rounds it closed).  A packet that fits no open
         round is dropped and counted in ``ltp_stats`` (``drop_<why>``), never an error: the
         sender is not waiting for an answer to it."""
