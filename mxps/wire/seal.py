@@ -34,7 +34,6 @@ import os
 import struct
 
 import numpy as np
-import zmq
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -88,10 +87,26 @@ def _seal(aead, counter, prefix, header_bytes, parts):
     return frames
 
 
+class _Payload(np.ndarray):
+    """A payload in local memory with what the transport's payloads offer (a ``zmq.Frame``'s
+    ``buffer``, ``bytes`` and ``len``, and a buffer itself, so it can be sent on).  Not a
+    ``zmq.Frame(copy=False)``: such a frame hands its memory back through pyzmq's
+    garbage-collector thread, and one freed while the interpreter exits can trip libzmq's
+    assertion in that thread's signaler (SIGABRT at the end of a job)."""
+
+    @property
+    def buffer(self):
+        return memoryview(self)
+
+    @property
+    def bytes(self):
+        return self.tobytes()
+
+
 def Payload(buffer):
-    """An opened payload as the transport delivers payloads: a ``zmq.Frame`` (``buffer``,
-    ``bytes``, ``len``, and a buffer itself, so it can be sent on), without a copy."""
-    return zmq.Frame(buffer, copy=False)
+    """An opened payload (``buffer``: bytes or a uint8 array), without a copy."""
+    return np.frombuffer(buffer, np.uint8).view(_Payload) if isinstance(buffer, bytes) \
+        else np.asarray(buffer, np.uint8).reshape(-1).view(_Payload)
 
 
 def _open(aead, counter, prefix, sealed_header, parts, frame_bytes, land=None):
