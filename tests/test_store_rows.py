@@ -8,6 +8,7 @@ store that is not exactly a flushed one, and lazy initialisation of rows.
 """
 import json
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -74,8 +75,17 @@ ROWS = st.lists(st.integers(0, 29), min_size=0, max_size=12, unique=True).map(so
 OPS = st.lists(st.one_of(
     st.tuples(st.just("gather"), ROWS), st.tuples(st.just("read"), ROWS),
     st.tuples(st.just("update"), ROWS), st.tuples(st.just("scatter"), ROWS),
-    st.tuples(st.just("flush"), st.just(None)), st.tuples(st.just("reopen"), st.just(None))),
+    st.tuples(st.just("flush"), st.just(None)), st.tuples(st.just("reopen"), st.just(None)),
+    st.tuples(st.just("crash"), st.just(None)), st.tuples(st.just("back"), st.just(None))),
     min_size=1, max_size=25)
+KEEP = 3
+
+
+def restored(layout, init, snapshot):
+    """A MemoryRows holding ``snapshot`` (every row's weights and states)."""
+    ref = MemoryRows(layout, init)
+    ref.scatter(np.arange(layout.n_rows, dtype=np.int64), *snapshot)
+    return ref
 
 
 @settings(max_examples=120, deadline=None)
@@ -88,8 +98,9 @@ def test_any_sequence_on_a_tiny_cache_gives_exactly_what_memory_gives(ops, slots
     init = lambda rows: weights(rows, layout.cols, dtype)       # noqa: E731
     budget = tiny(layout, slots)
     ref = MemoryRows(layout, init)
+    flushed = []                # (step, every row) at each flush: the checkpoints
     with tempfile.TemporaryDirectory() as d:
-        disk = DiskRows(layout, d, "t", budget, init=init, policy=policy)
+        disk = DiskRows(layout, d, "t", budget, init=init, policy=policy, keep=KEEP)
         for step, (op, rows) in enumerate(ops):
             rows = None if rows is None else np.array(rows, np.int64)
             if op == "gather":
@@ -106,13 +117,21 @@ def test_any_sequence_on_a_tiny_cache_gives_exactly_what_memory_gives(ops, slots
             elif op == "scatter":
                 fill(ref, rows, step)
                 fill(disk, rows, step)
-            elif op == "flush":
+            elif op in ("flush", "reopen"):
                 disk.flush(step)
-            else:                           # a checkpoint, then a new process resumes it
-                disk.flush(step)
-                disk.close()
-                disk = DiskRows(layout, d, "t", budget, init=init, resume=True, policy=policy)
-                assert disk.step == step
+                flushed.append((step, all_rows(ref)))
+                if op == "reopen":          # a checkpoint, then a new process resumes it
+                    disk.close()
+                    disk = DiskRows(layout, d, "t", budget, init=init, resume=True,
+                                    policy=policy, keep=KEEP)
+                    assert disk.step == step
+            elif flushed:                   # killed (no flush, no close): a new process
+                del disk                    # resumes the last checkpoint, or the oldest kept
+                flushed = flushed[-KEEP:] if op == "crash" else flushed[-KEEP:][:1]
+                disk = DiskRows(layout, d, "t", budget, init=init, resume=True, policy=policy,
+                                keep=KEEP, at=flushed[-1][0])
+                ref = restored(layout, init, flushed[-1][1])
+            assert disk.checkpoints() == [s for s, _ in flushed[-KEEP:]]
             assert disk.stats["cache_bytes_used"] <= budget
         same(all_rows(disk), all_rows(ref))
         disk.close()
@@ -269,7 +288,8 @@ def test_a_missing_manifest_is_refused(tmp_path, layout):
     (lambda m: m["layout"].update(dtype="<f8"), r"stored layout .*float64.* is not the one"),
     (lambda m: m.pop("step"), r"incomplete or malformed"),
     (lambda m: m["meta"].update(crc32=m["meta"]["crc32"] ^ 1), r"meta file .* does not match"),
-    (lambda m: m.update(clean=False), r"is marked open"),
+    (lambda m: m.update(clean=False), r"is marked open .* names no undo log"),
+    (lambda m: m.update(older=[{"step": 1}]), r"incomplete or malformed"),
 ])
 def test_an_edited_manifest_is_refused(tmp_path, layout, edit, problem):
     flushed_store(tmp_path, layout)
@@ -296,24 +316,68 @@ def test_resuming_with_another_layout_is_refused(tmp_path, layout):
         resume(tmp_path, other)
 
 
-def test_a_store_written_after_its_flush_and_not_flushed_again_is_refused(tmp_path, layout):
+def test_a_store_killed_after_writes_past_its_flush_resumes_at_that_flush(tmp_path, layout):
     disk = DiskRows(layout, tmp_path, "t", tiny(layout, 2))
     fill(disk, np.arange(10), 1)
     disk.flush(4)
-    for r in range(10, 20):                 # each scatter evicts a dirty row to the file
-        fill(disk, np.array([r]), r)
-    assert disk.stats["writebacks"] == 8    # the first 2 evicted were clean
+    want = all_rows(disk)
+    for r in range(0, 20):                  # each scatter evicts a dirty row to the file
+        fill(disk, np.array([r]), r + 7)
+    assert disk.stats["writebacks"] >= 17 and disk.stats["undo_bytes"] > 0
+    assert json.loads((tmp_path / "t.manifest.json").read_text())["clean"] is False
     del disk                                # a crash: no flush, no close
-    with pytest.raises(StoreError, match=r"t\.manifest\.json is marked open: the store was "
-                       r"written after its last flush \(step 4\)"):
-        resume(tmp_path, layout)
+    back = resume(tmp_path, layout)
+    assert back.step == 4 and back.checkpoints() == [4]
+    assert [n for n in os.listdir(tmp_path) if ".undo." in n] == []     # undone, removed
+    same(all_rows(back), want)
+
+
+def test_an_undo_log_cut_short_by_the_crash_is_taken_up_to_its_last_whole_batch(tmp_path,
+                                                                                layout):
+    disk = DiskRows(layout, tmp_path, "t", tiny(layout, 2))
+    fill(disk, np.arange(10), 1)
+    disk.flush(4)
+    want = all_rows(disk)
+    for r in range(10):
+        fill(disk, np.array([r]), r + 7)
+    log = [n for n in os.listdir(tmp_path) if ".undo." in n]
+    del disk
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
+    data = (tmp_path / log[0]).read_bytes()
+    # a last batch half written: the crash came before its data writes
+    (tmp_path / log[0]).write_bytes(data + data[20:20 + 8 + 8 + layout.record_bytes // 2])
+    same(all_rows(resume(tmp_path, layout)), want)
+    # a batch that fails its checksum with more after it is corruption
+    (copy / log[0]).write_bytes(data[:30] + bytes([data[30] ^ 1]) + data[31:] + data[20:])
+    with pytest.raises(StoreError, match=r"undo log .* corrupted batch at byte 20"):
+        resume(copy, layout)
+
+
+def test_older_checkpoints_are_kept_as_asked_and_a_step_not_kept_is_refused(tmp_path, layout):
+    disk = DiskRows(layout, tmp_path, "t", tiny(layout, 2), keep=2)
+    seen = {}
+    for step in (3, 6, 9):
+        fill(disk, np.arange(0, 40, step), step)
+        disk.flush(step)
+        seen[step] = all_rows(disk)
+    assert disk.checkpoints() == [6, 9]
+    fill(disk, np.arange(5, 25), 11)        # and killed mid-epoch
+    del disk
+    with pytest.raises(StoreError, match=r"step 3 is not among the checkpoints it keeps "
+                       r"\(6, 9\)"):
+        DiskRows(layout, tmp_path, "t", tiny(layout, 2), resume=True, at=3, keep=2)
+    back = DiskRows(layout, tmp_path, "t", tiny(layout, 2), resume=True, at=6, keep=2)
+    assert back.checkpoints() == [6]
+    assert sorted(os.listdir(tmp_path)) == ["t.manifest.json", "t.meta.2", "t.rows"]
+    same(all_rows(back), seen[6])
 
 
 def test_a_store_never_flushed_is_refused(tmp_path, layout):
     disk = DiskRows(layout, tmp_path, "t", tiny(layout, 2))
     fill(disk, np.arange(10), 1)
     disk.close()
-    with pytest.raises(StoreError, match=r"is marked open.*step None"):
+    with pytest.raises(StoreError, match=r"names no checkpoint: the store was never flushed"):
         resume(tmp_path, layout)
 
 

@@ -13,6 +13,7 @@ anything that is not exactly a flushed store.  Neither is thread-safe: one calle
 """
 import json
 import os
+import struct
 import zlib
 from collections import namedtuple
 
@@ -149,7 +150,7 @@ def _split(layout, recs):
 def _new_stats():
     return dict(gathers=0, reads=0, scatters=0, rows_read=0, rows_written=0, hits=0, misses=0,
                 init_rows=0, evictions=0, writebacks=0, bytes_read=0, bytes_written=0,
-                io_calls=0, flushes=0, cache_bytes_used=0)
+                io_calls=0, flushes=0, cache_bytes_used=0, undo_bytes=0)
 
 
 class MemoryRows:
@@ -380,6 +381,106 @@ def _fsync_dir(directory):
         os.close(fd)
 
 
+def _generation(meta_file):
+    return int(str(meta_file).rsplit(".", 1)[-1])
+
+
+class _UndoLog:
+    """The records an epoch (the writes since a checkpoint) overwrote, as that checkpoint left
+    them: ``<name>.undo.<token>``.  A header (``UNDO_MAGIC``, record bytes, rows), then batches:
+    ``count`` (u32), CRC-32 of the rest (u32), ``count`` row ids (int64), their records.  Each
+    batch is fsynced before the data it covers is written, so a batch cut short by a crash
+    (the last one, failing its length or CRC) covers no write and is ignored; a bad batch
+    with more after it is corruption and refused.  Applying every batch puts the data file
+    back as the checkpoint left it (rows are logged once per epoch: order does not matter)."""
+
+    def __init__(self, path, fd):
+        self.path, self.fd = path, fd
+        self.file = os.path.basename(path)
+
+    @classmethod
+    def create(cls, directory, name, layout):
+        path = os.path.join(directory, "%s.undo.%s" % (name, os.urandom(6).hex()))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        os.write(fd, _UNDO_HEAD.pack(UNDO_MAGIC, layout.record_bytes, layout.n_rows))
+        os.fsync(fd)
+        _fsync_dir(directory)
+        return cls(path, fd)
+
+    def append(self, rows, recs):
+        body = np.ascontiguousarray(rows, "<i8").tobytes() + np.ascontiguousarray(recs).tobytes()
+        data = _UNDO_BATCH.pack(len(rows), zlib.crc32(body)) + body
+        done = 0
+        while done < len(data):
+            done += os.write(self.fd, data[done:])
+        os.fsync(self.fd)
+        return len(data)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def remove(self):
+        self.close()
+        os.unlink(self.path)
+
+    @staticmethod
+    def apply(table, file):
+        """Write every logged record of ``file`` back into ``table``'s data file."""
+        path = os.path.join(table.directory, file)
+        rb = table.layout.record_bytes
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            table._refuse("the undo log %s is missing" % file)
+        if data[:_UNDO_HEAD.size] != _UNDO_HEAD.pack(UNDO_MAGIC, rb, table.layout.n_rows):
+            table._refuse("the undo log %s is not this table's" % file)
+        pos = _UNDO_HEAD.size
+        while pos + _UNDO_BATCH.size <= len(data):
+            count, crc = _UNDO_BATCH.unpack_from(data, pos)
+            end = pos + _UNDO_BATCH.size + count * (8 + rb)
+            body = data[pos + _UNDO_BATCH.size:end]
+            if end > len(data) or zlib.crc32(body) != crc:
+                if end >= len(data):
+                    break                       # cut short by the crash: nothing written yet
+                table._refuse("the undo log %s has a corrupted batch at byte %d" % (file, pos))
+            rows = np.frombuffer(body[:8 * count], "<i8")
+            if count and (rows.min() < 0 or rows.max() >= table.layout.n_rows):
+                table._refuse("the undo log %s names rows outside the table" % file)
+            recs = memoryview(body)[8 * count:]
+            starts, ends = _runs(rows)
+            for s, e in zip(starts, ends):
+                table._pwrite(recs[s * rb:e * rb], int(rows[s]) * rb)
+            pos = end
+
+
+UNDO_MAGIC = b"MXPSUNDO"
+_UNDO_HEAD = struct.Struct("<8sIQ")
+_UNDO_BATCH = struct.Struct("<II")
+
+
+def reachable_steps(directory):
+    """{table name: the steps it can be resumed at} for every table manifest in
+    ``directory`` (a server's part of a job's store); {} when there is none."""
+    out = {}
+    if not os.path.isdir(directory):
+        return out
+    for f in sorted(os.listdir(directory)):
+        if not f.endswith(".manifest.json"):
+            continue
+        try:
+            with open(os.path.join(directory, f), "rb") as fh:
+                m = json.loads(fh.read())
+            steps = [e["step"] for e in m.get("older", [])] + \
+                ([] if m["step"] is None else [m["step"]])
+        except (OSError, ValueError, KeyError, TypeError):
+            steps = []
+        out[f[:-len(".manifest.json")]] = steps
+    return out
+
+
 def _write_atomic(path, data):
     """``data`` at ``path`` or, after a crash, the old file there: temp, fsync, rename."""
     tmp = path + ".tmp"
@@ -397,25 +498,36 @@ class DiskRows(CachedRows):
     read and written with ``os.preadv``/``os.pwrite``, one call per run of consecutive ids; a
     RAM cache of ``cache_bytes`` in front (``CachedRows``).
 
-    Beside it, ``<name>.manifest.json`` (layout, step, clean flag, the current meta file) and
-    ``<name>.meta.<gen>`` (a CRC-32 per MiB block of the data file, and the bitmap of rows
-    written).  ``flush(step)`` writes every dirty row, fsyncs, writes a new meta file and then
-    commits the manifest atomically, clean at ``step``; before the first write to the data file
-    after that, the manifest is committed as open (not clean).  ``resume=True`` reopens a store
-    and refuses (``StoreError`` naming the file and the problem) a missing or unreadable
-    manifest, an open one (written since its last flush: the process stopped mid-write), a
+    Beside it, ``<name>.manifest.json`` (layout, the checkpoint's step and meta file, clean
+    flag, the open epoch's undo log, the older checkpoints kept), ``<name>.meta.<gen>`` (a
+    CRC-32 per MiB block of the data file, and the bitmap of rows written) and
+    ``<name>.undo.<token>`` (``_UndoLog``: the records an epoch overwrote, as its checkpoint
+    left them).  ``flush(step)`` writes every dirty row, fsyncs, writes a new meta file and then
+    commits the manifest atomically, clean at ``step``.  Before the first write to the data
+    file after a flush the manifest is committed as open, naming a new undo log, and every
+    record is logged there (fsynced) before it is first overwritten in place; so a process
+    killed at any moment leaves a store that ``resume=True`` returns to its last flush.
+    ``keep`` checkpoints stay reachable (each older one through the undo log of the epoch
+    after it): ``resume=True, at=step`` returns to any of them (``checkpoints()``).
+    ``resume`` refuses (``StoreError`` naming the file and the problem) a missing or
+    unreadable manifest, one never flushed, a step not kept, a missing or foreign undo log, a
     layout or dtype other than ``layout``, a data file of the wrong size, or a block whose
-    checksum is not the manifest's.  Without ``resume``, an existing store at that place is an
-    error unless ``overwrite=True`` (which deletes it).
+    checksum is not the checkpoint's after the undo logs were applied.  Without ``resume``, an
+    existing store at that place is an error unless ``overwrite=True`` (which deletes it).
 
-    ``close()`` releases the file and the cache without writing: what was not flushed is lost,
-    and the file stays at its last flush unless rows were written back since (then it is open
-    and refused at resume)."""
+    ``close()`` releases the file and the cache without writing: what was not flushed is lost
+    (the file is the last flush, or returns to it at resume)."""
 
     def __init__(self, layout, directory, name, cache_bytes, init=None, resume=False,
-                 overwrite=False, policy="s3fifo"):
+                 overwrite=False, policy="s3fifo", at=None, keep=1):
         if resume and overwrite:
             raise ValueError("DiskRows: resume=True and overwrite=True exclude each other")
+        if int(keep) < 1:
+            raise ValueError("DiskRows: keep=%r must be >= 1 (checkpoints kept reachable)"
+                             % (keep,))
+        if at is not None and not resume:
+            raise ValueError("DiskRows: at=%r is a step to resume at: it needs resume=True"
+                             % (at,))
         if not name or os.sep in name or name.startswith("."):
             raise ValueError("DiskRows: bad table name %r" % (name,))
         super().__init__(layout, cache_bytes, init, policy)
@@ -427,8 +539,13 @@ class DiskRows(CachedRows):
         n_blocks = -(-layout.file_bytes // BLOCK_BYTES)
         self._changed_blocks = np.zeros(n_blocks, bool)
         self.step = None
+        self.keep = int(keep)
+        self._older = []            # checkpoints before ``step`` still reachable, oldest first
+        self._undo = None           # this epoch's undo log (an _UndoLog) once it wrote
+        self._logged = np.zeros(layout.n_rows, bool)   # rows whose before-image is logged
+        self._meta_file, self._meta_gen = None, 0
         if resume:
-            self._resume()
+            self._resume(at)
         else:
             self._create(overwrite)
 
@@ -449,7 +566,13 @@ class DiskRows(CachedRows):
 
     def _store(self, rows, recs):
         if self._clean:
+            if self.step is not None:
+                self._undo = _UndoLog.create(self.directory, self.name, self.layout)
             self._commit_manifest(clean=False)
+        fresh = rows[~self._logged[rows]] if self._undo is not None else rows[:0]
+        if len(fresh):     # their records as the last checkpoint left them, durable first
+            self._stats["undo_bytes"] += self._undo.append(fresh, self._load(fresh))
+            self._logged[fresh] = True
         rb, fd, pwrite = self.layout.record_bytes, self._fd, os.pwrite
         view = memoryview(recs).cast("B")
         starts, ends = _runs(rows)
@@ -493,24 +616,54 @@ class DiskRows(CachedRows):
 
     def flush(self, step):
         """Every dirty row to the file, fsync, checksums of the blocks written, a new meta file,
-        then the manifest committed clean at ``step``: the file is now a checkpoint."""
+        then the manifest committed clean at ``step``: the file is now a checkpoint.  The
+        checkpoint before it stays reachable (``keep``) through this epoch's undo log."""
         self._check([])
         self._write_dirty()
+        previous = None if self.step is None else {
+            "step": self.step, "meta": self._meta_entry(), "undo": None}
         if not self._clean:
             os.fsync(self._fd)
             for b in np.flatnonzero(self._changed_blocks).tolist():
                 self._crcs[b] = self._block_crc(b)
             self._changed_blocks[:] = False
-            old = self._meta_file
             self._write_meta()
-            self.step = step
-            self._commit_manifest(clean=True)
-            if old and old != self._meta_file:
-                os.unlink(os.path.join(self.directory, old))
-        else:
-            self.step = step
-            self._commit_manifest(clean=True)
+            if previous is not None:
+                previous["undo"] = self._undo.file
+        if previous is not None and previous["step"] != step or not self._clean:
+            if previous is not None:
+                self._older.append(previous)
+        dropped = self._older[:max(0, len(self._older) - (self.keep - 1))]
+        self._older = self._older[len(dropped):]
+        undo, self._undo = self._undo, None
+        self.step = step
+        self._commit_manifest(clean=True)
+        self._logged[:] = False
+        if undo is not None:
+            undo.close()
+            if undo.file not in [e["undo"] for e in self._older]:
+                undo.remove()
+        self._remove_unreferenced()
         self._stats["flushes"] += 1
+
+    def checkpoints(self):
+        """The steps this table can be resumed at, oldest first."""
+        return [e["step"] for e in self._older] + ([] if self.step is None else [self.step])
+
+    def _meta_entry(self):
+        return None if self._meta_file is None else {
+            "file": self._meta_file, "bytes": self._meta_bytes, "crc32": self._meta_crc}
+
+    def _remove_unreferenced(self):
+        """Meta files and undo logs that no kept checkpoint names (a flush cut short, a
+        checkpoint dropped, the epochs undone at resume)."""
+        keep = {self._meta_file} | {e["meta"]["file"] for e in self._older} | \
+            {e["undo"] for e in self._older}
+        if self._undo is not None:
+            keep.add(self._undo.file)
+        for path in self._own_files()[2:]:
+            if os.path.basename(path) not in keep:
+                os.unlink(path)
 
     def close(self):
         """The file closed and the cache dropped, nothing written (see the class doc)."""
@@ -539,7 +692,8 @@ class DiskRows(CachedRows):
 
     def _write_meta(self):
         """The checksums and the bitmap of rows written, as a new generation of meta file."""
-        self._meta_gen += 1
+        self._meta_gen = max([self._meta_gen] + [_generation(e["meta"]["file"])
+                                                 for e in self._older]) + 1
         self._meta_file = "%s.meta.%d" % (self.name, self._meta_gen)
         written = np.packbits(self._codes != NEW, bitorder="little")
         data = self._crcs.astype("<u4").tobytes() + written.tobytes()
@@ -548,12 +702,12 @@ class DiskRows(CachedRows):
         self._meta_bytes = len(data)
 
     def _commit_manifest(self, clean):
-        meta = None if self._meta_file is None else {
-            "file": self._meta_file, "bytes": self._meta_bytes, "crc32": self._meta_crc}
         manifest = {"format": FORMAT, "layout": self.layout.to_json(),
                     "record_bytes": self.layout.record_bytes,
                     "file_bytes": self.layout.file_bytes, "block_bytes": BLOCK_BYTES,
-                    "clean": clean, "step": self.step, "meta": meta}
+                    "clean": clean, "step": self.step, "meta": self._meta_entry(),
+                    "undo": None if clean or self._undo is None else self._undo.file,
+                    "older": self._older}
         _write_atomic(self.manifest_path, json.dumps(manifest, indent=1).encode())
         self._clean = clean
 
@@ -578,21 +732,18 @@ class DiskRows(CachedRows):
         self._crcs[-1] = zlib.crc32(bytes(self.layout.file_bytes - (n_blocks - 1) * BLOCK_BYTES))
 
     def _own_files(self):
-        prefix = self.name + ".meta."
-        metas = [os.path.join(self.directory, f) for f in os.listdir(self.directory)
-                 if f.startswith(prefix)] if os.path.isdir(self.directory) else []
+        prefixes = (self.name + ".meta.", self.name + ".undo.")
+        metas = [os.path.join(self.directory, f) for f in sorted(os.listdir(self.directory))
+                 if f.startswith(prefixes) and not f.endswith(".tmp")] \
+            if os.path.isdir(self.directory) else []
         return [self.path, self.manifest_path] + metas
 
     def _refuse(self, problem):
         raise StoreError("%s: cannot resume: %s" % (self.path, problem))
 
-    def _resume(self):
+    def _resume(self, at):
         manifest = self._read_manifest()
-        if not manifest["clean"]:
-            self._refuse("%s is marked open: the store was written after its last flush "
-                         "(step %s) and not flushed again (the process stopped mid-write?); "
-                         "a half-written store is never used"
-                         % (os.path.basename(self.manifest_path), manifest["step"]))
+        name = os.path.basename(self.manifest_path)
         try:
             size = os.path.getsize(self.path)
         except FileNotFoundError:
@@ -601,17 +752,39 @@ class DiskRows(CachedRows):
             self._refuse("the data file is %d bytes, the layout needs %d (%s)"
                          % (size, self.layout.file_bytes,
                             "truncated" if size < self.layout.file_bytes else "too long"))
-        if not isinstance(manifest["meta"], dict):
-            self._refuse("manifest %s names no meta file" % os.path.basename(self.manifest_path))
-        self._read_meta(manifest["meta"])
+        older = manifest["older"]
+        steps = [e["step"] for e in older] + [manifest["step"]]
+        if manifest["step"] is None or not isinstance(manifest["meta"], dict):
+            self._refuse("%s names no checkpoint: the store was never flushed" % name)
+        if at is not None and at not in steps:
+            self._refuse("step %s is not among the checkpoints it keeps (%s)"
+                         % (at, ", ".join(map(str, steps))))
+        undo = []           # the undo logs to apply, newest first
+        if not manifest["clean"]:
+            if not manifest["undo"]:
+                self._refuse("%s is marked open (written after its last flush, step %s) and "
+                             "names no undo log to return to that flush" % (name,
+                                                                          manifest["step"]))
+            undo.append(manifest["undo"])
+        target, meta = manifest["step"], manifest["meta"]
+        kept = list(older)
+        while at is not None and target != at:
+            e = kept.pop()
+            if e["undo"]:
+                undo.append(e["undo"])
+            target, meta = e["step"], e["meta"]
+        self._read_meta(meta)
         self._fd = os.open(self.path, os.O_RDWR)
+        for u in undo:          # each log holds the records its epoch overwrote
+            _UndoLog.apply(self, u)
+        if undo:
+            os.fsync(self._fd)
         self._verify_blocks()
         self._advise_random()
-        self.step = manifest["step"]
-        self._clean = True
-        for path in self._own_files()[2:]:      # meta files of flushes cut short
-            if os.path.basename(path) != self._meta_file:
-                os.unlink(path)
+        self.step, self._older, self._clean = target, kept, True
+        if undo or not manifest["clean"]:
+            self._commit_manifest(clean=True)
+        self._remove_unreferenced()
 
     def _read_manifest(self):
         name = os.path.basename(self.manifest_path)
@@ -628,6 +801,14 @@ class DiskRows(CachedRows):
             stored = RowLayout(**manifest["layout"])
             fields = [manifest[k] for k in ("clean", "step", "meta", "record_bytes",
                                            "file_bytes", "block_bytes")]
+            manifest.setdefault("undo", None)
+            older = manifest.setdefault("older", [])
+            if not isinstance(older, list) or not all(
+                    isinstance(e, dict) and isinstance(e["meta"], dict)
+                    and isinstance(e["undo"], (str, type(None))) for e in older):
+                raise ValueError("'older' is not a list of checkpoints")
+            for e in older:
+                e["step"]
         except (KeyError, TypeError, ValueError) as e:
             self._refuse("manifest %s is incomplete or malformed (%s)" % (name, e))
         if stored != self.layout:
@@ -651,12 +832,12 @@ class DiskRows(CachedRows):
         if (len(data) != meta.get("bytes") or zlib.crc32(data) != meta.get("crc32")
                 or len(data) != 4 * n_blocks + -(-self.layout.n_rows // 8)):
             self._refuse("the meta file %s does not match the manifest (size or checksum)" % path)
-        gen = meta["file"].rsplit(".", 1)[-1]
+        gen = str(meta["file"]).rsplit(".", 1)[-1]
         if meta["file"] != "%s.meta.%s" % (self.name, gen) or not gen.isdigit():
             self._refuse("the manifest names %r, not a meta file of table %r" % (meta["file"],
                                                                                  self.name))
         self._meta_file, self._meta_bytes, self._meta_crc = meta["file"], len(data), meta["crc32"]
-        self._meta_gen = int(gen)
+        self._meta_gen = max(self._meta_gen, int(gen))
         self._crcs = np.frombuffer(data[:4 * n_blocks], "<u4").astype(np.uint32)
         written = np.unpackbits(np.frombuffer(data[4 * n_blocks:], np.uint8),
                                 count=self.layout.n_rows, bitorder="little").astype(bool)
