@@ -46,9 +46,10 @@ _fixes.apply_runtime_fixes(_config.role_from_env(), _config.mxnet_update_on_kvst
 from .adapter.kvstore import MXPS, MXPS_Async, MXPS_Sync  # noqa: E402,F401
 from .config import ConfigError  # noqa: E402,F401
 from .store.table_init import TableInit  # noqa: E402,F401
-from .adapter.resume import resume_trainer  # noqa: E402,F401
+from .adapter.resume import resume_round, resume_trainer  # noqa: E402,F401
 from .roles.worker import RemoteError  # noqa: E402,F401
 from .roles.link import PeerLostError  # noqa: E402,F401
 
-__all__ = ["MXPS", "MXPS_Async", "MXPS_Sync", "TableInit", "resume_trainer", "ConfigError",
+__all__ = ["MXPS", "MXPS_Async", "MXPS_Sync", "TableInit", "resume_trainer", "resume_round",
+           "ConfigError",
            "RemoteError", "PeerLostError", "__version__"]

@@ -68,6 +68,7 @@ class Config:
     store_dir: str = ""
     store_cache_mb: float = 256.0
     store_resume: bool = False
+    store_checkpoint_rounds: int = 0    # every N rounds a job-wide checkpoint (0: at the stop)
     # MXPS_PUSH=ltp: the loss-tolerant push over UDP (docs/LTP.md)
     push: str = "tcp"
     ltp_fill: str = "rescale"
@@ -161,7 +162,8 @@ def _bool(env, name, default=False):
 
 
 def _store(env):
-    """MXPS_STORE (memory or disk), MXPS_STORE_DIR, MXPS_STORE_CACHE_MB, MXPS_STORE_RESUME."""
+    """MXPS_STORE (memory or disk), MXPS_STORE_DIR, MXPS_STORE_CACHE_MB, MXPS_STORE_RESUME,
+    MXPS_STORE_CHECKPOINT_ROUNDS."""
     kind = (_get(env, "MXPS_STORE", "memory")).lower()
     if kind not in ("memory", "disk"):
         raise ConfigError("MXPS_STORE=%r: use memory or disk" % kind)
@@ -173,8 +175,13 @@ def _store(env):
     if resume and kind != "disk":
         raise ConfigError("MXPS_STORE_RESUME=1 resumes a disk store: set MXPS_STORE=disk and "
                           "MXPS_STORE_DIR")
+    every = _int(env, "MXPS_STORE_CHECKPOINT_ROUNDS", 0, minimum=0)
+    if every and kind != "disk":
+        raise ConfigError("MXPS_STORE_CHECKPOINT_ROUNDS=%d checkpoints a disk store: set "
+                          "MXPS_STORE=disk and MXPS_STORE_DIR" % every)
     return {"store": kind, "store_dir": directory, "store_resume": resume,
-            "store_cache_mb": _float(env, "MXPS_STORE_CACHE_MB", 256.0)}
+            "store_cache_mb": _float(env, "MXPS_STORE_CACHE_MB", 256.0),
+            "store_checkpoint_rounds": every}
 
 
 def _wsp(env):

@@ -41,6 +41,7 @@ FILE_TIERS = {
     "test_accum.py": "unit",
     "test_adaptive_plan.py": "unit",
     "test_async.py": "cluster",
+    "test_checkpoints.py": "unit",
     "test_compression.py": "unit",
     "test_compression_jobs.py": "cluster",
     "test_auth.py": "cluster",

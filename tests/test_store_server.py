@@ -6,6 +6,7 @@ Adam, in sync rounds of 2 workers; every reply and the final weights must agree 
 disk store flushed at a clean stop is resumed by a new server, which then goes on exactly as
 the first one would have; a store changed behind its back is refused naming the problem.
 """
+import json
 import os
 import pickle
 
@@ -194,6 +195,56 @@ def test_a_job_restarted_from_its_store_ends_with_the_weights_of_an_uninterrupte
         cluster.assert_weights_close(half, want, rtol=1e-6, what="after 5 steps")
 
 
+def test_a_job_whose_server_is_killed_resumes_from_its_last_checkpoint(jobs, tmp_path):
+    """2x2, Adam on the servers, a table bigger than the store's cache (rows are written back
+    in place between checkpoints, under undo logs), a checkpoint every 3 rounds: a server is
+    killed with SIGKILL after the checkpoint of round 6 (the job ends: a lost server); a new job
+    with MXPS_STORE_RESUME=1 returns every table to the newest round all servers flushed, the
+    workers go on from that step (mxps.resume_round), and the job ends with the weights of
+    the uninterrupted one."""
+    import cluster
+    from mxps.store.checkpoints import held
+    from mxps_tools import jobs as runner
+    env = cluster.train_env("mxps", steps=16, update_on_kvstore=True, optimizer="adam",
+                            model="mlp_big", MXNET_KVSTORE_BIGARRAY_BOUND=100000,
+                            MXPS_STORE="disk", MXPS_STORE_CACHE_MB=0.25,
+                            MXPS_STORE_CHECKPOINT_ROUNDS=3)
+    whole = jobs.train(dict(env, MXPS_STORE_DIR=str(tmp_path / "a")), 2, 2)
+    store, out = tmp_path / "b", tmp_path / "crashed"
+    job = runner.Job([cluster.TRAIN_JOB], 2, 2, env=dict(env, JOB_SLOW="0:0.25",
+                                                         MXPS_STORE_DIR=str(store),
+                                                         JOB_OUT=str(out)),
+                     log_dir=str(tmp_path / "logs"), cpu_interval=None, timeout=240)
+    def open_after_6():
+        """Server 1 checkpointed round 6 and has written rows in place since."""
+        if 6 not in held(str(store)).get(1, ()):
+            return False
+        try:
+            ms = [json.loads(p.read_text()) for p in store.glob("server1/*.manifest.json")]
+        except (OSError, ValueError):       # a manifest being replaced
+            return False
+        return any(not m["clean"] for m in ms)
+
+    with job:
+        job.wait(open_after_6, 150, "server 1's writes after the checkpoint of round 6")
+        job.kill("s1")
+        job.wait(job.all_exited, 60, "the job's end after a server was killed")
+        assert not os.path.exists(out / "weights_rank0.npz"), "the job finished before the kill"
+    manifests = [json.loads(p.read_text()) for p in store.glob("server1/*.manifest.json")]
+    # rows were written in place after the last checkpoint: only the undo logs give it back
+    assert any(not m["clean"] and m["undo"] for m in manifests), manifests
+    resumed = jobs.train(dict(env, JOB_FIRST_STEP="auto", MXPS_STORE_DIR=str(store),
+                              MXPS_STORE_RESUME=1), 2, 2)
+    first = cluster.load_meta(resumed.out_dir, 0)["first_step"]
+    assert first in (6, 9, 12), first        # a checkpoint round, and the job had more to do
+    want = cluster.assert_synchronised(whole.out_dir, 2)
+    got = cluster.assert_synchronised(resumed.out_dir, 2)
+    cluster.assert_weights_close(got, want, rtol=1e-6, what="resumed after a kill vs "
+                                 "uninterrupted")
+    info = runner.read_job_info(os.path.join(resumed.out_dir, "logs", runner.JOB_INFO_FILE))
+    assert info["resume_round"] == first
+
+
 def test_a_sparse_job_with_the_disk_store_equals_the_one_process_reference(tmp_path):
     import cluster
     from test_sparse import SPARSE_JOB
@@ -220,9 +271,15 @@ def test_store_settings_are_read_and_bad_ones_refused_by_name():
     assert (cfg.store, cfg.store_dir, cfg.store_cache_mb, cfg.store_resume) == \
         ("disk", "/x", 64.0, True)
     assert config.from_env(base).store == "memory"
+    assert config.from_env(dict(base, MXPS_STORE="disk", MXPS_STORE_DIR="/x",
+                                MXPS_STORE_CHECKPOINT_ROUNDS="5")).store_checkpoint_rounds == 5
     for extra, match in ((dict(MXPS_STORE="ssd"), "MXPS_STORE='ssd': use memory or disk"),
                          (dict(MXPS_STORE="disk"), "MXPS_STORE=disk needs MXPS_STORE_DIR"),
                          (dict(MXPS_STORE_RESUME="1"), "MXPS_STORE_RESUME=1 resumes a disk"),
+                         (dict(MXPS_STORE_CHECKPOINT_ROUNDS="3"),
+                          "MXPS_STORE_CHECKPOINT_ROUNDS=3 checkpoints a disk store"),
+                         (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x",
+                               MXPS_STORE_CHECKPOINT_ROUNDS="-1"), "must be at least 0"),
                          (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x", MXPS_PUSH="ltp"),
                           "MXPS_STORE=disk and MXPS_PUSH=ltp"),
                          (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x", MXPS_PLAN="adaptive"),

@@ -332,6 +332,12 @@ class MXPS(KVStoreBase):
     def num_workers(self):
         return self._client.num_workers
 
+    @property
+    def resume_round(self):
+        """mxps's own: the rounds a job resumed from a disk store (MXPS_STORE_RESUME=1) has
+        behind it, the checkpoint all servers returned to; 0 for a new job."""
+        return self._client.resume_round or 0
+
     @staticmethod
     def is_capable(capability):
         if capability.lower() == KVStoreBase.OPTIMIZER:

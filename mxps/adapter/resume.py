@@ -23,3 +23,15 @@ def resume_trainer(trainer):
     if trainer._params_to_init:
         trainer._init_params()
     return trainer
+
+
+def resume_round(trainer):
+    """The step a resumed job goes on from: the rounds behind the checkpoint every server
+    returned to (the scheduler agrees it from what the stores hold: the newest common
+    checkpoint after a crash, the last round after a clean stop); 0 for a new job.  Takes a
+    gluon.Trainer (its kvstore set up: call ``resume_trainer`` first) or an mxps kvstore."""
+    kv = getattr(trainer, "_kvstore", trainer)
+    if not hasattr(kv, "resume_round"):
+        raise TypeError("resume_round needs an mxps kvstore or a Trainer using one, got %r"
+                        % (trainer,))
+    return kv.resume_round

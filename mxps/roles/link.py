@@ -81,6 +81,10 @@ def parse_welcome(payload):
         body["seals"] = [bytes.fromhex(s) for s in seals]
     except ValueError:
         raise wire.WireError("WELCOME: server nonces %r are not hex" % (seals,)) from None
+    resume = body.setdefault("resume_round", None)
+    if resume is not None and (not isinstance(resume, int) or isinstance(resume, bool)
+                               or resume < 0):
+        raise wire.WireError("WELCOME: resume round %r" % (resume,))
     if body.get("mode") not in ("sync", "async", "wsp") or rank < 0 or workers < 1:
         raise wire.WireError("WELCOME: rank %d, %d workers, mode %r"
                              % (rank, workers, body.get("mode")))
@@ -193,7 +197,7 @@ class SchedulerLink:
     def name(self):
         return "%s %s" % (self.role, self.rank if self.rank >= 0 else "?")
 
-    def register(self, host, port=0, seal=b""):
+    def register(self, host, port=0, seal=b"", checkpoints=None):
         """Announce this node and wait for the scheduler's WELCOME (rank, peers).
 
         While it waits the node heartbeats (``start_heartbeats`` in the REGISTER tells the
@@ -204,6 +208,8 @@ class SchedulerLink:
                 "mode": self.cfg.mode, "start_heartbeats": True}
         if seal:
             info["seal"] = seal.hex()       # a server's data-plane nonce (mxps.wire.seal)
+        if checkpoints is not None:         # a resumed store's: {server rank: [rounds]}
+            info["checkpoints"] = {str(k): v for k, v in checkpoints.items()}
         body = json.dumps(info).encode()
         fault_point(self.cfg, "register", self.role)
         deadline = time.monotonic() + self.cfg.start_timeout

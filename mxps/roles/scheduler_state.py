@@ -43,6 +43,7 @@ from typing import List, NamedTuple, Optional
 
 from ..placement import adaptive
 from ..placement.plan import PlanError, check_slices, table_from_json, table_to_json
+from ..store import checkpoints
 from ..wire.frame import Header, MsgType
 from .link import EXIT_LOST_PEER
 
@@ -84,7 +85,7 @@ class Step:
 
 class Node:
     __slots__ = ("ident", "role", "host", "port", "pid", "mode", "rank", "last_heard",
-                 "finished", "watched", "seal")
+                 "finished", "watched", "seal", "checkpoints")
 
     def __init__(self, ident, role, host, port, pid, mode, now):
         self.ident = ident
@@ -98,6 +99,7 @@ class Node:
         self.finished = False
         self.watched = True
         self.seal = ""            # a server's data-plane nonce, hex (mxps.wire.seal)
+        self.checkpoints = None   # a resumed store's {server rank: [rounds]} (a server's)
 
     def describe(self):
         rank = self.rank if self.rank >= 0 else "?"
@@ -134,6 +136,13 @@ def _register_info(payload):
     if not ok:
         raise MalformedBody("REGISTER body lacks role/host/port/pid/mode of the right types "
                             "(or has a seal that is not 32 hex digits)")
+    held = info.get("checkpoints")
+    if held is not None:
+        if not (isinstance(held, dict) and all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, list)
+                and all(_integer(x) for x in v) for k, v in held.items())):
+            raise MalformedBody("REGISTER checkpoints are not {server rank: [rounds]}")
+        info["checkpoints"] = {int(k): [int(x) for x in v] for k, v in held.items()}
     return info
 
 
@@ -246,6 +255,7 @@ class SchedulerState:
         self.pending_plan = None   # a plan the servers are moving state for
         self.overlapped = set()    # rounds a move overlapped: not timed (_decide)
         self.points = []           # the job facts' "replan_points"
+        self.resume_round = None   # a resumed store's round, agreed at the start
         self.exit = None
         self.leaving = None        # after the SHUTDOWN: idents of the nodes yet to say BYE
         self.leave_deadline = None
@@ -331,7 +341,15 @@ class SchedulerState:
         return {"mode": self.mode, "servers": self._roster("server"),
                 "workers": self._roster("worker"),
                 "replan_points": [dict(p) for p in self.points],
+                "resume_round": self.resume_round,
                 "exit": None if self.exit is None else dict(self.exit._asdict())}
+
+    @staticmethod
+    def _server_order(node):
+        """Servers rank by address; resuming a store, one that holds the store of exactly
+        one rank (its own disk) is given that rank first."""
+        held = node.checkpoints or {}
+        return (next(iter(held)) if len(held) == 1 else float("inf"),) + address_order(node)
 
     def _begin(self, now):
         self._now = now
@@ -390,6 +408,8 @@ class SchedulerState:
         # its death during start-up ends the job in MXPS_HEARTBEAT_TIMEOUT, not the start timeout
         node.watched = bool(info.get("start_heartbeats"))
         node.seal = info.get("seal", "")
+        if role == "server":
+            node.checkpoints = info.get("checkpoints")
         if all(self._count(r) == k for r, k in self.want.items()):
             self._start()
 
@@ -413,11 +433,24 @@ class SchedulerState:
                     self.cfg.root_uri, self.cfg.root_port))
 
     def _start(self):
-        servers = sorted(self._servers(), key=address_order)
+        servers = sorted(self._servers(), key=self._server_order)
         workers = sorted(self._workers(), key=address_order)
         for group in (servers, workers):
             for rank, n in enumerate(group):
                 n.rank = rank
+        if any(n.checkpoints is not None for n in servers):
+            try:
+                self.resume_round = checkpoints.agree(
+                    [n.checkpoints or {} for n in servers], len(servers))
+            except checkpoints.NoCommonCheckpoint as e:
+                self._abort("cannot resume the disk store (MXPS_STORE_RESUME=1): %s" % e)
+                return
+            lost = [n.describe() for n in servers if n.rank not in (n.checkpoints or {})]
+            if lost:
+                self._abort("cannot resume the disk store: %s do not hold the store of their "
+                            "rank (server<rank> under MXPS_STORE_DIR)" % ", ".join(lost))
+                return
+            log.info("resuming the disk store at round %d", self.resume_round)
         # sync or async is the workers' choice (the kvstore name, e.g. mxps_async, or their
         # MXPS_MODE); the servers follow it
         if len({n.mode for n in workers}) != 1:
@@ -433,7 +466,8 @@ class SchedulerState:
                                "seals": [s.seal for s in servers],
                                "num_workers": self.cfg.num_workers,
                                "num_servers": self.cfg.num_servers,
-                               "mode": self.mode}).encode()
+                               "mode": self.mode,
+                               "resume_round": self.resume_round}).encode()
             self._send(n, MsgType.WELCOME, body)
             n.last_heard = self._now
         log.info("job started: %d servers %s, %d workers", len(servers),

@@ -25,6 +25,7 @@ import time
 import zmq
 
 from ..placement import metrics, trace
+from ..store.checkpoints import held as checkpoints_held
 from ..wire import frame as wire, tcp as transport
 from ..wire.frame import MsgType
 from . import link as control
@@ -84,7 +85,10 @@ class Server:
         settings = transport.Settings.from_config(cfg)
         self.sock, self.port, nonce = transport.bind_data(host, settings)
         self.link = SchedulerLink(cfg, "server", settings)
-        welcome = self.link.register(host, self.port, seal=nonce)
+        # a resumed store: the checkpoints each server directory here can return to, so that
+        # the scheduler picks the round every server can (docs/STORE.md)
+        held = checkpoints_held(cfg.store_dir) if cfg.store_resume else None
+        welcome = self.link.register(host, self.port, seal=nonce, checkpoints=held)
         self.cfg = dataclasses.replace(cfg, mode=welcome["mode"])   # the workers' choice
         self.rank = welcome["rank"]
         self.num_workers = welcome["num_workers"]
@@ -120,10 +124,17 @@ class Server:
             wsp = WspSettings(self.cfg.wsp_k, self.cfg.wsp_staleness, time.monotonic)
         store = None
         if self.cfg.store == "disk":     # docs/STORE.md: one directory per server
+            if self.cfg.store_checkpoint_rounds and self.cfg.mode != "sync":
+                self.link.fail("MXPS_STORE_CHECKPOINT_ROUNDS needs sync mode (BSP), not %s: "
+                               "there the rounds of different keys complete at different "
+                               "times, so no round is a state of the whole model to return "
+                               "to (the store is flushed at the clean stop only)"
+                               % self.cfg.mode)
             directory = os.path.join(self.cfg.store_dir, "server%d" % self.rank)
             os.makedirs(directory, exist_ok=True)
             store = StoreSettings(directory, int(self.cfg.store_cache_mb * (1 << 20)),
-                                  self.cfg.store_resume)
+                                  self.cfg.store_resume, every=self.cfg.store_checkpoint_rounds,
+                                  resume_at=welcome.get("resume_round"))
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
                                  num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp,
                                  wsp=wsp, store=store,

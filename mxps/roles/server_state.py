@@ -275,12 +275,19 @@ class StoreSettings:
     """MXPS_STORE=disk (docs/STORE.md): where this server's tables go (``directory``), the
     RAM its caches may use (``cache_bytes``, shared out as keys arrive: a table that fits in
     an eighth of the budget is cached whole, a larger one gets what is left but an eighth),
-    and whether to reopen what a previous job flushed there (``resume``)."""
+    whether to reopen what a previous job flushed there (``resume``) and at which round
+    (``resume_at``, agreed by the scheduler; None: the newest), and every how many rounds to
+    checkpoint (``every``; 0: at the clean stop only)."""
 
-    def __init__(self, directory, cache_bytes, resume=False):
+    #: checkpoints each table keeps reachable (store.checkpoints: the newest common one)
+    KEEP = 2
+
+    def __init__(self, directory, cache_bytes, resume=False, every=0, resume_at=None):
         self.directory = directory
         self.cache_bytes = int(cache_bytes)
         self.resume = resume
+        self.every = int(every)
+        self.resume_at = resume_at if resume else None
         self.left = int(cache_bytes)
 
     def budget(self, table_bytes):
@@ -543,6 +550,7 @@ class ServerState:
         self.store = store
         self._templates = {}
         self._resumed = None       # MXPS_STORE_RESUME: the round the store was flushed at
+        self.checkpoints = []      # MXPS_STORE_CHECKPOINT_ROUNDS: the rounds flushed
         self.wsp_stats = collections.Counter()
         # messages that are nobody's request (stray peer replies, PLANs that do not parse):
         # dropped, counted and logged rate-limited
@@ -842,7 +850,8 @@ class ServerState:
         try:
             disk = DiskSlice(h.offset, h.length, cols, layout.dtype, n_states,
                              None if st.resume else arr, st.directory, name, cache,
-                             resume=st.resume, rule=None if st.resume else rule)
+                             resume=st.resume, rule=None if st.resume else rule,
+                             at=st.resume_at, keep=st.KEEP)
         except (ValueError, OSError, RuntimeError) as e:
             raise RequestError("key %d: the disk store at %s: %s"
                                % (h.key, st.directory, e)) from None
@@ -869,12 +878,34 @@ class ServerState:
             t = self._templates[index] = state_template(self.updater.optimizer, index, dtype)
         return t
 
+    @property
+    def round_base(self):
+        """Rounds before this job's first: those of a resumed store."""
+        return self._resumed or 0
+
     def flush_store(self):
         """Everything the disk store holds to disk, durable, each slice clean at the rounds it
-        applied (a clean shutdown; docs/STORE.md)."""
+        applied, counted from the job's start (a clean shutdown; docs/STORE.md)."""
         for slot in self.slots.values():
             if isinstance(slot.store, DiskSlice):
-                slot.store.flush(slot.applied)
+                slot.store.flush(self.round_base + slot.applied)
+
+    def _maybe_checkpoint(self, slot):
+        """MXPS_STORE_CHECKPOINT_ROUNDS (BSP): once every slice here has applied a round that
+        is a multiple of the setting, all of them are flushed at it, before the pulls that
+        round answers go out (store.checkpoints says why that makes a job-wide checkpoint)."""
+        st = self.store
+        step = self.round_base + slot.applied
+        if (st is None or not st.every or step % st.every or not self.sync
+                or self.wsp is not None or self.checkpoints and self.checkpoints[-1] == step
+                or any(x.applied != slot.applied for x in self.slots.values())):
+            return
+        t0 = time.monotonic()
+        for x in self.slots.values():
+            x.store.flush(step)
+        self.checkpoints.append(step)
+        log.info("server %d: checkpoint of round %d (%d slices) in %.3f s", self.rank, step,
+                 len(self.slots), time.monotonic() - t0)
 
     def store_stats(self):
         """The disk store's counters summed over this server's slices."""
@@ -1000,6 +1031,7 @@ class ServerState:
             if self._trace is not None:
                 self._data_row("round_complete", slot, slot.applied, -1,
                                0 if nxt.acc is None else nxt.acc.nbytes)
+            self._maybe_checkpoint(slot)
 
     def _new_round(self, slot, grad):
         """A round whose first push is ``grad``: a dense array (copied into a fresh sum) or a

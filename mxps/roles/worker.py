@@ -105,6 +105,8 @@ class Client:
         self.rank = welcome["rank"]
         self.num_workers = welcome["num_workers"]
         self.num_servers = welcome["num_servers"]
+        # a job resumed from a disk store starts after this round (store.checkpoints)
+        self.resume_round = welcome["resume_round"]
         # the connection's identity is this worker's rank: servers count a push for the rank
         # of the connection it came on, never for the rank a header claims
         identity = b"worker:%d" % self.rank

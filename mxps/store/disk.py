@@ -80,7 +80,7 @@ class DiskSlice:
     """A server slice kept in a row store (see the module doc)."""
 
     def __init__(self, offset, length, cols, dtype, n_states, value, directory=None,
-                 name=None, cache_bytes=0, resume=False, rule=None):
+                 name=None, cache_bytes=0, resume=False, rule=None, at=None, keep=1):
         self.offset, self.length = int(offset), int(length)
         self.cols, self.base, self.lo, self.hi, n_rows = geometry(self.offset, self.length,
                                                                  cols)
@@ -98,7 +98,7 @@ class DiskSlice:
             self.rows = MemoryRows(self.layout, init)
         else:
             self.rows = DiskRows(self.layout, directory, name, cache_bytes, resume=resume,
-                                 overwrite=not resume, init=init)
+                                 overwrite=not resume, init=init, at=at, keep=keep)
         if value is not None:
             self._take(np.asarray(value, self.dtype))
 

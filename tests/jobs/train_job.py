@@ -16,7 +16,8 @@ Environment:
   JOB_UPDATE_ON_KVSTORE  1 / 0 / unset (Trainer's default). For module: sets
                          MXNET_UPDATE_ON_KVSTORE, which Module reads.
   JOB_STEPS              training steps (default 20).
-  JOB_FIRST_STEP         the step to start at (default 0): a job resumed from a store
+  JOB_FIRST_STEP         the step to start at (default 0; "auto": the round the servers'
+                         store resumed at, mxps.resume_round): a job resumed from a store
                          (MXPS_STORE_RESUME) trains steps JOB_FIRST_STEP..JOB_STEPS-1 on the
                          batches an uninterrupted job would.
   JOB_BATCH              batch size per worker (default 32; split across devices).
@@ -98,7 +99,9 @@ OPTIMIZER = os.environ.get("JOB_OPTIMIZER", "sgd")
 LR_MULT = _env_flag("JOB_LR_MULT") or False
 UPDATE_ON_KVSTORE = _env_flag("JOB_UPDATE_ON_KVSTORE")
 STEPS = _env_int("JOB_STEPS", 20)
-FIRST_STEP = _env_int("JOB_FIRST_STEP", 0)
+# an int, or None for "auto": the step the servers' store was resumed at (mxps.resume_round)
+FIRST_STEP = None if os.environ.get("JOB_FIRST_STEP") == "auto" else _env_int("JOB_FIRST_STEP",
+                                                                             0)
 BATCH = _env_int("JOB_BATCH", 32)
 DEVICES = _env_int("JOB_DEVICES", 1)
 # JOB_SIMULATE_WORKERS=W: one process plays W synchronous workers exactly: W devices, device i
@@ -213,9 +216,12 @@ def run_gluon():
     # right before set_optimizer pickles the optimizer to the servers), then calls this.
     trainer._optimizer.rescale_grad = trainer._scale / BATCH
     trainer._init_kvstore()
-    if FIRST_STEP and KVSTORE.startswith("mxps"):      # resumed: start from the stored weights
+    first = FIRST_STEP
+    if first != 0 and KVSTORE.startswith("mxps"):      # resumed: start from the stored weights
         import mxps
         mxps.resume_trainer(trainer)
+        if first is None:
+            first = mxps.resume_round(trainer)
     kv = trainer._kvstore
     rank = kv.rank if kv is not None else 0
     num_workers = kv.num_workers if kv is not None else 1
@@ -231,7 +237,7 @@ def run_gluon():
 
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     step_seconds = []
-    for step in range(FIRST_STEP, STEPS):
+    for step in range(first or 0, STEPS):
         t0 = time.perf_counter()
         if SIMULATE:
             xs = [mx.nd.array(sx[step], ctx=c) for (sx, _), c in zip(shards, ctxs)]
@@ -261,7 +267,7 @@ def run_gluon():
     extra = {"update_on_kvstore": trainer._update_on_kvstore, "lr_mult_param":
              first_weight if LR_MULT else None, "kv_object": KV_OBJECT,
              "simulated_workers": SIMULATE, "compression": COMPRESSION,
-             "push_pull": PUSH_PULL}
+             "push_pull": PUSH_PULL, "first_step": first or 0}
     for r in (range(SIMULATE) if SIMULATE else [rank]):
         write_results(r, SIMULATE or num_workers, kv, weights, step_seconds, extra)
 
