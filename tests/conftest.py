@@ -71,7 +71,6 @@ FILE_TIERS = {
     "test_plan.py": "unit",
     "test_push_gate.py": "unit",
     "test_replan.py": "cluster",
-    "test_row_placement.py": "unit",
     "test_scheduler_state.py": "unit",
     "test_server_state.py": "unit",
     "test_server_bench.py": "cluster",
