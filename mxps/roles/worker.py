@@ -386,6 +386,16 @@ class Client:
         for op in ops:
             op.finish()
 
+    def _uncount(self, iteration, server, nbytes):
+        """Take back a reply's bytes counted before its callback refused it."""
+        with self.traffic_lock:
+            per = self.traffic.get(iteration)
+            if per is not None:
+                t = per[server]
+                t[0] -= nbytes
+                if nbytes and t[3]:
+                    t[3].pop()
+
     def _count(self, iteration, server, nbytes, now):
         with self.traffic_lock:
             per = self.traffic.get(iteration)
@@ -670,10 +680,18 @@ class Client:
                 # before the callback, which may complete the last operation (and so let
                 # the training thread exit and write the trace)
                 self._record(_ANSWERED, i, entry[3], len(payload) if payload is not None else 0)
+            # counted before the callback, which may complete the last operation (and so let
+            # the training thread finish and write the last round's metrics)
+            counted = h.iteration > 0 and entry[3].type in _ROUND_TYPES
+            if counted:
+                n = len(payload) if payload is not None else 0
+                self._count(h.iteration, i, n, received)
             try:
                 entry[0](h, payload)
             except Exception as e:
                 self._pending[h.request_id] = entry
+                if counted:
+                    self._uncount(h.iteration, i, n)
                 if self._trace is not None:
                     self._trace.append(("reply_unusable", trace.clock(), h.iteration, i, h.key,
                                         h.offset, h.length, 0, h.plan_version, h.request_id))
@@ -683,9 +701,6 @@ class Client:
             if entry[4]:
                 self._unacked[i] -= entry[4]
                 self._unacked_count[i] -= 1
-            if h.iteration > 0 and entry[3].type in _ROUND_TYPES:
-                n = len(payload) if payload is not None else 0
-                self._count(h.iteration, i, n, received)
 
     def _send(self, server, h, payload, on_reply, held_bytes):
         if on_reply is not None:
