@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mxps.adapter.kvstore import MXPS, read_states_reply
-from mxps.roles.server_state import Out, ServerState, _OptimizerUnpickler
+from mxps.roles.optimizer_states import _OptimizerUnpickler
+from mxps.roles.server_state import Out, ServerState
 from mxps.wire import typed
 from mxps.wire.frame import NO_DTYPE, Header, MsgType, dtype_code
 

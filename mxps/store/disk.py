@@ -11,55 +11,17 @@ The slice answers what the server asks of it: apply a dense round (every row gat
 optimizer run on the slice's elements, the rows put back), apply a row-sparse round (the rows
 holding the pushed elements only: MXNet's lazy update), serve a pull (all of the slice, or
 some elements), and take an update-on-workers sum as its value.  Each runs the optimizer with
-``step`` below on flat arrays, so the disk and memory stores give the same numbers.
+``optimizer_step.step`` on flat arrays, as the memory store's row-sparse rounds do, so the disk
+and memory stores give the same numbers.
 """
-import mxnet as mx
 import numpy as np
 
-from ..kernels.ndview import numpy_view
 from . import row_sets as sparse
+from .optimizer_step import step
 from .rows import DiskRows, MemoryRows, RowLayout
 
 #: rows of a 1-D key's table (elements): its I/O granularity
 PAGE = 1024
-
-
-def state_template(optimizer, index, dtype):
-    """The optimizer's state for one element: its structure, and how many arrays it has.
-    Refuses a state that does not start at zero (the row store creates zeros) or is nested."""
-    template = optimizer.create_state_multi_precision(index, mx.nd.zeros((1,), dtype=dtype))
-    arrays = sparse.state_arrays(template)
-    for a in arrays:
-        if a.asnumpy().any():
-            raise ValueError("the %s's state does not start at zero; the disk store cannot "
-                             "create it row by row" % type(optimizer).__name__)
-    return template, len(arrays)
-
-
-def step(optimizer, index, w, g, states, template):
-    """One optimizer update of flat numpy ``w`` (weights) with gradient ``g`` and ``states``
-    (flat numpy arrays in the order of ``template``'s arrays); returns the new (w, states):
-    numpy views of the NDArrays the optimizer updated (one copy of each input, none back)."""
-    dtype = w.dtype
-    w_nd = mx.nd.array(w, dtype=dtype)
-    g_nd = mx.nd.array(g, dtype=dtype)
-    s_nd = sparse.like_state(template, [mx.nd.array(s, dtype=s.dtype) for s in states])
-    optimizer.update_multi_precision(index, w_nd, g_nd, s_nd)
-    out = [w_nd] + sparse.state_arrays(s_nd)
-    for a in out:
-        a.wait_to_read()
-    views = [_held_view(a) for a in out]
-    return views[0], views[1:]
-
-
-class _Held(np.ndarray):
-    """A numpy view that keeps its NDArray alive."""
-
-
-def _held_view(nd):
-    v = numpy_view(nd).view(_Held)
-    v.nd = nd
-    return v
 
 
 def geometry(offset, length, cols):
@@ -80,12 +42,16 @@ class DiskSlice:
     """A server slice kept in a row store (see the module doc)."""
 
     def __init__(self, offset, length, cols, dtype, n_states, value, directory=None,
-                 name=None, cache_bytes=0, resume=False, rule=None, at=None, keep=1):
+                 name=None, cache_bytes=0, resume=False, rule=None, at=None, keep=1,
+                 template=None):
         self.offset, self.length = int(offset), int(length)
         self.cols, self.base, self.lo, self.hi, n_rows = geometry(self.offset, self.length,
                                                                  cols)
         self.layout = RowLayout(n_rows, self.cols, dtype, n_states)
         self.dtype = np.dtype(dtype)
+        # the optimizer's state for one element (optimizer_step.state_template), or None
+        # without an optimizer on the servers
+        self.template = template
         init = None
         if rule is not None:        # a TableInit: rows made from the rule when first touched
             base, width = self.base, self.cols
@@ -157,17 +123,21 @@ class DiskSlice:
         w.reshape(-1)[self.lo:self.hi] = acc
         self.rows.scatter(self.all_rows, w, states)
 
-    def apply_dense(self, optimizer, index, grad, template):
+    def apply_update(self, updater, index, grad, grad_nd=None):
+        """A dense round: the optimizer (``updater.optimizer``) on every row of the slice."""
         w, states = self.rows.gather(self.all_rows)
         sl = slice(self.lo, self.hi)
-        new_w, new_s = step(optimizer, index, w.reshape(-1)[sl], grad,
-                            [s.reshape(-1)[sl] for s in states], template)
+        new_w, new_s = step(updater.optimizer, index, w.reshape(-1)[sl], grad,
+                            [s.reshape(-1)[sl] for s in states], self.template)
         w.reshape(-1)[sl] = new_w
         for s, n in zip(states, new_s):
             s.reshape(-1)[sl] = n
         self.rows.scatter(self.all_rows, w, states)
 
-    def apply_rows(self, optimizer, index, rows, block, template):
+    def serve_weights(self, copy):
+        """Pulls read the rows (fresh copies): nothing to do after an update."""
+
+    def apply_rows(self, updater, index, rows, block):
         """A row-sparse round: the summed ``block`` (``sparse.padded``) of ``rows`` (a
         ``sparse.RowSet``).  Whole rows are updated, weights and state alike: their elements
         outside the slice get a zero gradient but are never served (each slice serves its
@@ -176,16 +146,16 @@ class DiskSlice:
         if t is not None:
             w, states = self.rows.gather(t)
             shape = w.shape
-            new_w, new_s = step(optimizer, index, w.reshape(-1), block.reshape(-1),
-                                [s.reshape(-1) for s in states], template)
+            new_w, new_s = step(updater.optimizer, index, w.reshape(-1), block.reshape(-1),
+                                [s.reshape(-1) for s in states], self.template)
             del w, states
             self.rows.scatter(t, new_w.reshape(shape), [n.reshape(shape) for n in new_s])
             return
         pos, grad = rows.positions(), sparse.trimmed(rows, block)
         rows, flat = self._locate(pos)
         w, states = self.rows.gather(rows)
-        new_w, new_s = step(optimizer, index, w.reshape(-1)[flat], grad,
-                            [s.reshape(-1)[flat] for s in states], template)
+        new_w, new_s = step(updater.optimizer, index, w.reshape(-1)[flat], grad,
+                            [s.reshape(-1)[flat] for s in states], self.template)
         w.reshape(-1)[flat] = new_w
         for s, n in zip(states, new_s):
             s.reshape(-1)[flat] = n

@@ -3,6 +3,8 @@ import mxnet as mx
 import numpy as np
 
 from ..kernels.ndview import numpy_view
+from . import row_sets as sparse
+from .optimizer_step import step
 
 
 class MemorySlice:
@@ -49,9 +51,47 @@ class MemorySlice:
         """An accumulator whose round was applied (the updater has finished reading it)."""
         self._free.append((acc, acc_nd))
 
-    def serve_sum(self, acc):
+    # -- what a round does (the same calls as store.disk.DiskSlice's) ------------------------
+    def apply_sum(self, acc):
         """Update on workers: the round's sum is the stored value."""
         self.snapshot = acc
+
+    def apply_update(self, updater, index, acc, acc_nd):
+        """A dense round with the optimizer on the servers: MXNet's ``updater`` (its states
+        by index) on the stored weights, in place; ``acc_nd`` is the NDArray behind the sum
+        (None: the round began before the optimizer was set), recycled after."""
+        nd = acc_nd if acc_nd is not None else mx.nd.array(acc, dtype=acc.dtype)
+        updater(index, nd, self.weight_nd)
+        self.weight_nd.wait_to_read()       # the update (which read the sum) is done
+        if acc_nd is not None:
+            self.recycle(acc, acc_nd)
+
+    def apply_rows(self, updater, index, rows, block):
+        """A row-sparse round, as MXNet's lazy update: the optimizer on the pushed elements
+        only (weights and state gathered, updated, put back), by the same call as the disk
+        store's (``optimizer_step.step``)."""
+        opt = updater.optimizer
+        pos = rows.positions()
+        grad = sparse.trimmed(rows, block)
+        if index not in updater.states:
+            updater.states[index] = opt.create_state_multi_precision(index, self.weight_nd)
+            updater.states_synced[index] = True
+        state = updater.states[index]
+        arrays = sparse.state_arrays(state)
+        for a in arrays:
+            a.wait_to_read()
+        views = [numpy_view(a) for a in arrays]
+        new_w, new_s = step(opt, index, self.weight[pos], grad, [v[pos] for v in views], state)
+        self.weight[pos] = new_w
+        for v, n in zip(views, new_s):
+            v[pos] = n
+
+    def flush(self, step_no):
+        """Nothing to make durable: a slice in RAM is not a checkpoint."""
+
+    @property
+    def stats(self):
+        return {}
 
     def serve_weights(self, copy):
         """Serve the weights after an update: the weights themselves, or (``copy``, when a

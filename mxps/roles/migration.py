@@ -1,0 +1,406 @@
+"""Live re-planning on a server: moving slices between servers (docs/REPLAN.md).
+
+A PLAN from the scheduler names the old and the new placement; every server sends each new
+owner its part of the old slices (value, optimizer state, update count), keeps what stays,
+builds each new slice once its parts are here, and tells the scheduler.  With overlapped
+re-plans (MXPS_REPLAN_OVERLAP) requests of a slice still being built wait for it.
+``Migrating`` is the part of ``ServerState`` that does this.
+"""
+import json
+import logging
+
+import numpy as np
+
+from ..kernels.ndview import cut_state
+from ..placement import plan
+from ..store.memory import MemorySlice
+from ..wire import compression, frame as wire, typed
+from ..wire.frame import MsgType
+from .optimizer_states import join_state, to_nd, update_counts
+from .rounds import Slot
+from .server_requests import Out, RequestError, check_state, count_field, fields, \
+    payload_bytes
+
+log = logging.getLogger("mxps.server")
+
+
+class _Incoming:
+    """A new slice this server is assembling: the parts so far, how many remote ones to come."""
+
+    __slots__ = ("slice", "expect", "parts")
+
+    def __init__(self, slice_, expect):
+        self.slice = slice_
+        self.expect = expect
+        self.parts = []
+
+
+class _Migration:
+    """One re-plan on this server: parts sent and not yet acknowledged, slices being built."""
+
+    def __init__(self, version):
+        self.version = version
+        self.outgoing = {}        # request id -> destination server
+        self.incoming = {}        # key -> _Incoming
+        self.next_id = 0
+        self.moved = 0
+        self.done = False
+
+
+_PART = ("key", "target", "offset", "length", "dtype", "value", "applied")
+
+
+def read_part(h, payload):
+    """A MIGRATE part from a peer server (``ServerState._cut`` made it), checked field by field
+    against its header before the server uses any of it."""
+    what = "MIGRATE part of key %d" % h.key
+    part = fields(typed.unpack(payload), what, _PART, ("state", "count"))
+    for f in ("key", "target", "offset", "length", "applied", "count"):
+        if f in part:
+            count_field(part[f], "%s: %s" % (what, f))
+    if (part["key"], part["offset"], part["length"]) != (h.key, h.offset, h.length):
+        raise RequestError("%s: the part is key %d [%d, +%d), its header says [%d, +%d)"
+                           % (what, part["key"], part["offset"], part["length"], h.offset,
+                              h.length))
+    if part["target"] > part["offset"]:
+        raise RequestError("%s: a part at %d cannot belong to a slice starting at %d"
+                           % (what, part["offset"], part["target"]))
+    dt = wire.dtype_of(count_field(part["dtype"], "%s: dtype" % what))
+    value = part["value"]
+    if not (isinstance(value, np.ndarray) and value.dtype == dt and value.ndim == 1
+            and value.size == part["length"]):
+        raise RequestError("%s: the value is not %d elements of %s" % (what, part["length"], dt))
+    check_state(part.get("state"), part["length"], what)
+    return part
+
+
+class PlanError(RequestError):
+    """A PLAN whose body is not a plan; ``version`` is its version when that could be read."""
+
+    def __init__(self, message, version=None):
+        super().__init__(message)
+        self.version = version
+
+
+def read_table(obj, what, num_servers):
+    """A plan table as the scheduler sends it (``plan.table_to_json``), checked: every key's
+    slices cover its elements once, in order, on servers of this job (when known)."""
+    if not isinstance(obj, dict):
+        raise ValueError("%s is not a table" % what)
+    for slices in obj.values():
+        if not isinstance(slices, list) or not all(
+                isinstance(x, list) and len(x) == 3 and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in x) for x in slices):
+            raise ValueError("%s: slices are [server, offset, length] integers" % what)
+    table = plan.table_from_json(obj)
+    for key, slices in table.items():
+        if any(x.length < 0 for x in slices):
+            raise ValueError("%s: key %d has a slice of negative length" % (what, key))
+        size = sum(x.length for x in slices)
+        bound = num_servers if num_servers is not None else \
+            max([x.server for x in slices] + [0]) + 1
+        plan.check_slices(key, size, slices, bound, one_per_server=False)
+    return table
+
+
+def read_plan(payload, num_servers, current):
+    """(version, old table, new table) of a PLAN body; raises ``PlanError``."""
+    try:
+        body = json.loads(payload_bytes(payload))
+    except (ValueError, RecursionError, wire.WireError) as e:
+        raise PlanError("the PLAN body is not JSON: %s" % e) from None
+    version = body.get("version") if isinstance(body, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise PlanError("the PLAN body has no version: %.80r" % (body,))
+    if version <= current:
+        raise PlanError("plan %d, but this server is at plan %d already" % (version, current),
+                        version)
+    try:
+        old = read_table(body.get("old"), "the old table", num_servers)
+        new = read_table(body.get("new"), "the new table", num_servers)
+    except (ValueError, TypeError, plan.PlanError) as e:
+        raise PlanError("plan %d: %s" % (version, e), version) from None
+    for key, slices in new.items():
+        if key in old and sum(x.length for x in old[key]) != sum(x.length for x in slices):
+            raise PlanError("plan %d: key %d has %d elements in the old table and %d in the "
+                            "new" % (version, key, sum(x.length for x in old[key]),
+                                     sum(x.length for x in slices)), version)
+    return version, old, new
+
+
+class Migrating:
+    """The server's side of a re-plan (a part of ``ServerState``)."""
+
+    #: requests of the next plan held until its PLAN arrives (a worker's are a few slices:
+    #: it is released only after the scheduler sent the PLAN; the bound is against garbage)
+    EARLY_BYTES = 256 << 20
+
+    def _to_scheduler(self, body):
+        self._out.append(Out(Out.SCHEDULER, None, wire.Header(MsgType.PLAN, sender=self.rank),
+                             json.dumps(body).encode()))
+
+    def _defer(self, client, h, payload):
+        """With overlapped re-plans (MXPS_REPLAN_OVERLAP) workers use plan v as soon as the
+        scheduler sent PLAN v to the servers, while its state is still moving.  A request of
+        plan v before PLAN v is here waits for it (the scheduler sends PLAN v + 1 only once
+        every server installed v, so nothing comes from further ahead).  A request for a slice
+        of plan v still being built waits for the slice; a push is acknowledged at once (a
+        copy of its gradient waits), so the worker's send window keeps moving, and it is summed
+        into its round when the slice is built.  True if the request waits."""
+        if h.plan_version == self.plan_version + 1:
+            n = memoryview(payload).nbytes if payload is not None else 0
+            if self._early_bytes + n > self.EARLY_BYTES:
+                raise RequestError("key %d: more than %d MB of requests of plan %d before its "
+                                   "PLAN arrived" % (h.key, self.EARLY_BYTES >> 20,
+                                                     h.plan_version))
+            self._early_bytes += n
+            self.early_requests.append((client, h, payload))
+            return True
+        mig = self.migration_open()
+        if mig is None or h.plan_version != mig.version:
+            return False
+        target = (h.key, h.offset)
+        inc = mig.incoming.get(target)
+        if inc is None:
+            return False
+        if inc.slice.length != h.length:
+            raise RequestError("key %d: request for elements [%d, %d) but server %d is "
+                               "building [%d, %d)" % (h.key, h.offset, h.offset + h.length,
+                                                      self.rank, inc.slice.offset,
+                                                      inc.slice.stop))
+        grad = None
+        if h.type != MsgType.PULL:
+            grad = np.array(compression.push_values(h, payload), copy=True)
+            if h.type == MsgType.PUSH:
+                self._reply(client, h, MsgType.ACK, length=0)
+        self.deferred.setdefault(target, []).append((client, h, grad))
+        if self._trace is not None:
+            self._trace.append(("request_deferred", self._now(), h.iteration, h.key,
+                                h.offset, h.length, h.sender, 0 if grad is None else
+                                grad.nbytes, self.plan_version, h.request_id))
+        return True
+
+    def migration_open(self):
+        """The re-plan whose slices are still being built here, or None."""
+        mig = self.migration
+        return mig if mig is not None and mig.incoming else None
+
+    def _replay(self, target):
+        """The slice ``target`` is built: run the requests that waited for it, in order."""
+        waiting = self.deferred.pop(target, ())
+        if not waiting:
+            return
+        slot = self.slots[target]
+        for client, h, grad in waiting:
+            try:
+                if h.dtype != slot.dtype_code and grad is not None:
+                    raise RequestError("key %d: pushed dtype %s differs from the slice's %s"
+                                       % (h.key, wire.dtype_of(h.dtype),
+                                          wire.dtype_of(slot.dtype_code)))
+                if grad is None:
+                    self._on_pull(client, h)
+                    continue
+                if self._trace is not None:
+                    self._data_row("push_arrived", slot, h.iteration, h.sender, grad.nbytes,
+                                   h.request_id)
+                self._account(slot, h, grad)
+                if h.type != MsgType.PUSH:
+                    self._on_pull(client, h)
+            except RequestError as e:
+                self._error(client, h, str(e))
+        self._answer_waiting(slot)
+
+    def _on_plan(self, version, old, new):
+        """The scheduler's new plan.  Every worker has stopped with nothing in flight, so every
+        round is complete: send each new owner its part of this server's old slices (value,
+        optimizer state, update count), keep the part that stays, and build each new slice once
+        all of its parts are here; then tell the scheduler."""
+        mig = self.migration = _Migration(version)
+        self.plan_version = version
+        self._unfast()
+        parts = []                         # (destination server, part)
+        for key, slices in new.items():
+            before = tuple(old.get(key) or ())
+            if before == slices:
+                continue
+            empty = sum(x.length for x in slices) == 0
+            for o in before:
+                if o.server != self.rank:
+                    continue
+                slot = self.slots.get((key, o.offset))
+                if slot is None or slot.length != o.length:
+                    raise RequestError("plan %d: server %d does not hold key %d as %s"
+                                       % (version, self.rank, key, o))
+                if slot.rounds or slot.waiting:
+                    raise RequestError(
+                        "plan %d: key %d has rounds %s partly pushed on server %d; workers "
+                        "push keys unequally" % (version, key, sorted(slot.rounds), self.rank))
+                for x in slices:
+                    lo, hi = max(x.offset, o.offset), min(x.stop, o.stop)
+                    if hi > lo or empty:
+                        parts.append((x.server, self._cut(slot, lo, hi, x.offset)))
+                self._drop(slot)
+            for n in slices:
+                if n.server == self.rank:
+                    expect = sum(1 for x in before if x.server != self.rank and
+                                 (min(x.stop, n.stop) > max(x.offset, n.offset) or empty))
+                    mig.incoming[(key, n.offset)] = _Incoming(n, expect)
+        for dest, part in parts:           # what stays here first, then what arrived early
+            if dest == self.rank:
+                self._add_part(mig, part, remote=False)
+        for target in [t for t, inc in mig.incoming.items() if inc.expect == 0]:
+            self._install(mig, target)
+        early, self.early_parts = self.early_parts, []
+        for v, part in early:
+            if v == version:
+                self._add_part(mig, part, remote=True)
+        for dest, part in parts:
+            if dest != self.rank:
+                self._send_part(mig, dest, part)
+        self._maybe_done(mig)
+
+    def _cut(self, slot, lo, hi, target):
+        """The elements [lo, hi) of ``slot`` (key coordinates) as a migration part of the new
+        slice starting at ``target``."""
+        a, b = lo - slot.offset, hi - slot.offset
+        part = {"key": slot.key, "target": target, "offset": lo, "length": hi - lo,
+                "dtype": slot.dtype_code, "value": slot.store.cut(a, b),
+                "applied": slot.applied}
+        if self.updater is not None:
+            if slot.index in self.updater.states:
+                part["state"] = cut_state(self.updater.states[slot.index], a, b)
+            count = update_counts(self.updater.optimizer).get(slot.index)
+            if count is not None:
+                part["count"] = count
+        return part
+
+    def _drop(self, slot):
+        self.slots.pop((slot.key, slot.offset), None)
+        self._unfast()
+        if self.updater is not None:
+            self.updater.states.pop(slot.index, None)
+            self.updater.states_synced.pop(slot.index, None)
+            update_counts(self.updater.optimizer).pop(slot.index, None)
+
+    def _send_part(self, mig, dest, part):
+        mig.next_id += 1
+        mig.outgoing[mig.next_id] = dest
+        mig.moved += part["value"].nbytes
+        h = wire.Header(MsgType.MIGRATE, key=part["key"], sender=self.rank,
+                        plan_version=mig.version, offset=part["offset"],
+                        length=part["length"], request_id=mig.next_id)
+        if self._trace is not None:
+            self._plan_row("part_sent", mig.version, h.key, h.offset, h.length, dest,
+                           part["value"].nbytes, mig.next_id)
+        self._out.append(Out(Out.PEER, dest, h, typed.pack(part)))
+
+    def _on_migrate(self, client, h, payload):
+        part = read_part(h, payload)
+        if self._trace is not None:
+            self._plan_row("part_received", h.plan_version, h.key, h.offset, h.length,
+                           h.sender, part["value"].nbytes, h.request_id)
+        mig = self.migration
+        if mig is not None and mig.version == h.plan_version:
+            self._reply(client, h, MsgType.ACK, length=0)
+            try:
+                self._add_part(mig, part, remote=True)
+                self._maybe_done(mig)
+            except Exception as e:
+                self._plan_failed(mig.version, e)
+        elif h.plan_version == self.plan_version + 1:
+            # its PLAN is on the way (the scheduler sends plan v + 1 once every server has
+            # installed v, so no part can be for a plan further ahead); a part sent again
+            # replaces the first, so they hold at most one copy of each slice
+            self.early_parts = [(v, p) for v, p in self.early_parts
+                                if (p["key"], p["offset"]) != (part["key"], part["offset"])]
+            self.early_parts.append((h.plan_version, part))
+            self._reply(client, h, MsgType.ACK, length=0)
+        else:
+            raise RequestError("a part of key %d for plan %d, but server %d is at plan %d"
+                               % (h.key, h.plan_version, self.rank, self.plan_version))
+
+    def _add_part(self, mig, part, remote):
+        """Keep a part of a new slice; with the last remote part in, build the slice."""
+        target = (part["key"], part["target"])
+        inc = mig.incoming.get(target)
+        if inc is None:
+            raise RequestError("plan %d: server %d got a part of key %d for a slice at %d it "
+                               "does not hold" % (mig.version, self.rank, *target))
+        inc.parts.append(part)
+        if remote:
+            inc.expect -= 1
+            if inc.expect == 0:
+                self._install(mig, target)
+
+    def _install(self, mig, target):
+        """Build this server's new slice ``target`` (key, offset) from its parts."""
+        inc = mig.incoming.pop(target)
+        key = target[0]
+        want, parts = inc.slice, inc.parts
+        parts.sort(key=lambda p: p["offset"])
+        pos = want.offset
+        for p in parts:
+            if p["offset"] != pos:
+                raise RequestError("plan %d: parts of key %d leave a gap at element %d"
+                                   % (mig.version, key, pos))
+            pos += p["length"]
+        if pos != want.stop:
+            raise RequestError("plan %d: parts of key %d end at %d, the slice at %d"
+                               % (mig.version, key, pos, want.stop))
+        applied = {p["applied"] for p in parts}
+        if len(applied) != 1:
+            raise RequestError("plan %d: parts of key %d come from different rounds %s"
+                               % (mig.version, key, sorted(applied)))
+        # a copy: a received part's value is a read-only view of its frame
+        value = np.concatenate([p["value"] for p in parts])
+        slot = Slot(key, want.offset, want.length, parts[0]["dtype"],
+                     MemorySlice(value, progress=self.progress))
+        slot.applied = applied.pop()
+        if self.updater is not None:
+            slot.store.serve_weights(copy=self.policy.copies)
+            states = [p.get("state") for p in parts]
+            if any(x is not None for x in states):
+                if any(x is None for x in states):
+                    raise RequestError("plan %d: some parts of key %d lack optimizer state"
+                                       % (mig.version, key))
+                self.updater.states[slot.index] = to_nd(join_state(states))
+                self.updater.states_synced[slot.index] = False
+            if slot.index != key:
+                self._alias(slot)
+            counts = {p["count"] for p in parts if "count" in p}
+            if counts:
+                opt = self.updater.optimizer
+                update_counts(opt)[slot.index] = max(counts)
+                opt.num_update = max(opt.num_update, max(counts))
+        self.slots[target] = slot
+        self._unfast()
+        if self._trace is not None:
+            self._plan_row("slice_built", mig.version, key, want.offset, want.length,
+                           nbytes=value.nbytes)
+        self._replay(target)
+
+    def _on_migrate_reply(self, h):
+        mig = self.migration
+        if h.type == MsgType.ERROR or mig is None:
+            raise RequestError("plan %d: a moved part of key %d was refused" % (
+                h.plan_version, h.key))
+        del mig.outgoing[h.request_id]
+        self._maybe_done(mig)
+
+    def _maybe_done(self, mig):
+        if mig.done or mig.outgoing or mig.incoming:
+            return
+        mig.done = True
+        if self._trace is not None:
+            self._plan_row("plan_in_place", mig.version, nbytes=mig.moved)
+        self._to_scheduler({"version": mig.version, "moved_bytes": mig.moved})
+        log.info("server %d: plan %d in place (%d bytes sent)", self.rank, mig.version,
+                 mig.moved)
+
+    def _plan_failed(self, version, error):
+        # the job cannot go on with a broken placement: the scheduler ends it with this reason
+        log.error("server %d: plan %s failed: %r", self.rank, version, error)
+        if self._trace is not None:
+            self._plan_row("plan_failed", version if isinstance(version, int) else -1)
+        self._to_scheduler({"version": version,
+                            "error": "%s: %s" % (type(error).__name__, error)})

@@ -1,0 +1,188 @@
+"""A server's rounds: a slice (``Slot``), one round's sum (``Round``), and the seam that decides
+which round a push goes into and when a round completes (the round policies).
+
+``ServerState`` runs every round the same way: a push is placed in a round by the policy
+(``place``), summed into it, and rounds complete in order once the policy says so (``ready``);
+a completed round is applied by the slice's store and the pulls waiting for it are answered
+(``pull_ready``).  The policies:
+
+- ``Bsp``: a round completes with all W workers' pushes (an LTP round when Early Close closed
+  it: ``Round.complete``); a pull of round r waits for round r.
+- ``Wsp`` (MXPS_MODE=wsp, docs/WSP.md): a round completes with k of W workers within the
+  staleness bound, scaled to a full round; a late worker's push folds into a later round.
+- ``Async`` (dist_async): every push is a round of its own, applied on arrival; pulls never
+  wait.
+"""
+from ..ltp import close as ltp_close
+from . import wsp as wsp_rules
+from .optimizer_states import optimizer_index
+from .server_requests import RequestError
+
+
+class Round:
+    __slots__ = ("acc", "acc_nd", "senders", "ltp", "closed", "frozen", "wake", "parts",
+                 "scale", "pushes")
+
+    def __init__(self, acc, acc_nd, parts=None):
+        self.acc = acc            # numpy view of the sum
+        self.acc_nd = acc_nd      # the NDArray behind it (update on servers), or None
+        self.parts = parts        # a row-sparse round: its pushes' (RowSet, padded block)
+        self.scale = 1.0          # WSP: W / gradients
+        self.pushes = 0           # WSP: gradients in it (a late worker's can be two)
+        self.senders = set()
+        self.ltp = None           # MXPS_PUSH=ltp: the packets' accounting (ltp.rounds.LtpRound)
+        self.closed = False       # ... and whether Early Close ended it
+        self.frozen = ()          # element ranges no worker delivered (kept as they are)
+        self.wake = None          # the earliest look at it already scheduled (on_tick)
+
+    def complete(self, num_workers):
+        return self.closed if self.ltp is not None else len(self.senders) >= num_workers
+
+
+class Slot:
+    """This server's slice of one key: where it is, its rounds, and its numbers (``store``: a
+    ``store.memory.MemorySlice`` or ``store.disk.DiskSlice``)."""
+
+    __slots__ = ("key", "offset", "length", "dtype_code", "store", "applied", "rounds",
+                 "waiting", "index", "spans", "wsp", "cols")
+
+    def __init__(self, key, offset, length, dtype_code, store):
+        self.key = key
+        self.index = optimizer_index(key, offset)
+        self.offset = offset
+        self.length = length
+        self.dtype_code = dtype_code
+        self.store = store
+        self.applied = 0                # rounds completed
+        self.rounds = {}                # round -> Round
+        self.waiting = []               # (client, header, RowSet or None) pulls waiting for
+                                        # a later round (RowSet: a PULL_ROWS)
+        self.spans = ltp_close.Deadline()           # LTP: recent rounds' spans, backoff
+        self.wsp = None                 # MXPS_MODE=wsp: the slice's wsp.SliceWsp
+        self.cols = 0                   # the key's row width (INIT), 0: unknown
+
+
+class Bsp:
+    """Bulk-synchronous rounds: all W workers' pushes, or Early Close for an LTP round."""
+
+    #: replies of round r may be served from the weights themselves: round r + 1 completes
+    #: only once every worker pushed it, after its pull of round r was answered
+    copies = False
+    #: every slice of a server has applied the same rounds when any round-r+1 push arrives
+    #: (store.checkpoints)
+    consistent = True
+    #: answering a pull can let a round complete
+    pulls_release = False
+    #: a push needs the optimizer on the servers
+    needs_optimizer = False
+
+    def __init__(self, num_workers):
+        self.num_workers = num_workers
+
+    def place(self, slot, h):
+        if h.iteration <= slot.applied:
+            raise RequestError("key %d: worker %d pushed round %d, but round %d is already "
+                               "complete" % (h.key, h.sender, h.iteration, slot.applied))
+        rnd = slot.rounds.get(h.iteration)
+        if rnd is not None and h.sender in rnd.senders:
+            raise RequestError("key %d: worker %d pushed round %d twice"
+                               % (h.key, h.sender, h.iteration))
+        return h.iteration
+
+    def ready(self, slot, r, rnd):
+        return rnd.complete(self.num_workers)
+
+    def completing(self, rnd):
+        pass
+
+    def pull_ready(self, slot, h):
+        return h.iteration <= slot.applied
+
+    def answered(self, slot, h):
+        pass
+
+
+class Async(Bsp):
+    """dist_async: every push is a round of its own, applied at once; pulls never wait."""
+
+    copies = True           # a push may change the weights while a reply reads them
+    consistent = False
+    needs_optimizer = True  # the sum of one push is no value to serve
+
+    def place(self, slot, h):
+        return slot.applied + 1
+
+    def ready(self, slot, r, rnd):
+        return True
+
+    def pull_ready(self, slot, h):
+        return True
+
+
+class Wsp:
+    """WSP rounds (docs/WSP.md): ``settings`` (``server_settings.WspSettings``: k, the
+    staleness bound, the clock), the workers that left (``gone``, shared with the state) and
+    the state's ``wsp_stats`` counter."""
+
+    copies = True
+    consistent = False
+    pulls_release = True    # a worker's newer value can lift the staleness bound
+    needs_optimizer = False
+
+    def __init__(self, settings, num_workers, gone, stats):
+        self.settings = settings
+        self.num_workers = num_workers
+        self.gone = gone
+        self.stats = stats
+
+    def _now(self):
+        clock = self.settings.clock
+        return clock() if clock else None
+
+    def of(self, slot):
+        if slot.wsp is None:
+            slot.wsp = wsp_rules.SliceWsp(self.num_workers)
+        return slot.wsp
+
+    def place(self, slot, h):
+        """The round ``wsp.SliceWsp.place`` gives a push: the round it was computed for, or a
+        later one if that completed without it."""
+        try:
+            r = self.of(slot).place(h.sender, h.iteration, slot.applied, self._now())
+        except ValueError as e:
+            raise RequestError("key %d: worker %d %s" % (h.key, h.sender, e)) from None
+        if r != h.iteration:
+            self.stats["folded"] += 1
+        return r
+
+    def ready(self, slot, r, rnd):
+        """Whether round ``r`` may complete now (``wsp.may_complete``)."""
+        if not rnd.senders:
+            return False
+        ws = self.of(slot)
+        k = self.settings.k
+        if k <= 0:
+            active = [w for w in range(self.num_workers) if w not in self.gone]
+            times = ws.intervals()
+            k = wsp_rules.choose_k([times[w] for w in active])
+        return wsp_rules.may_complete(r, rnd.senders, ws.base, min(k, self.num_workers),
+                                      self.settings.staleness, self.gone)
+
+    def completing(self, rnd):
+        """A round of n gradients is scaled to the expected sum of a full one."""
+        n = rnd.pushes
+        self.stats["rounds"] += 1
+        self.stats["contributions"] += n
+        if n != self.num_workers:
+            rnd.scale = wsp_rules.scale(self.num_workers, n)
+            if rnd.parts is None:
+                rnd.acc *= rnd.acc.dtype.type(rnd.scale)
+
+    def pull_ready(self, slot, h):
+        """The round the worker's push of that label went into is complete."""
+        r = self.of(slot).pull_round(h.sender, h.iteration)
+        return r is not None and r <= slot.applied
+
+    def answered(self, slot, h):
+        if 0 <= h.sender < self.num_workers:
+            self.of(slot).received(h.sender, slot.applied, self._now())
