@@ -423,9 +423,6 @@ def from_env(env=None, mode=None):
         raise ConfigError("MXPS_PUSH=ltp and MXPS_REPLAN_OVERLAP=1 do not go together: LTP "
                           "packets of a plan whose state still moves would be dropped; use the "
                           "quiescent re-plan (MXPS_REPLAN_OVERLAP=0)")
-    if cfg.store == "disk" and cfg.push == "ltp":
-        raise ConfigError("MXPS_STORE=disk and MXPS_PUSH=ltp do not go together yet: LTP keeps "
-                          "the weights of elements nobody delivered, which needs them in RAM")
     if cfg.store == "disk" and cfg.replanning:
         raise ConfigError("MXPS_STORE=disk and live re-planning (MXPS_PLAN=adaptive) do not go "
                           "together yet: moving a slice would move its table; set "

@@ -314,9 +314,10 @@ NP = pk.packet_count(N, EPP)
 SGD = dict(momentum=0.9, wd=1e-4)
 
 
-def ltp_server(workers, optimizer=None, value=None, **settings):
-    """A server taking LTP packets of ``BUDGET`` bytes, key KEY initialised by worker 0."""
-    s = ServerState(0, workers, True, ltp=LtpSettings(BUDGET, **settings))
+def ltp_server(workers, optimizer=None, value=None, store=None, **settings):
+    """A server taking LTP packets of ``BUDGET`` bytes, key KEY initialised by worker 0
+    (``store``: a StoreSettings, MXPS_STORE=disk)."""
+    s = ServerState(0, workers, True, ltp=LtpSettings(BUDGET, **settings), store=store)
     if optimizer is not None:
         only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER, sender=0),
                           pickle.dumps(mx.optimizer.SGD(**optimizer))), MsgType.ACK)
@@ -449,6 +450,32 @@ def test_with_packets_dropped_the_update_is_the_reference_sum_under_the_filling(
             assert (got[~frozen] != before_w[~frozen]).all()
     assert s.ltp_stats["close_ends"] == 3 and s.ltp_stats["rounds"] == 3
     assert s.ltp_stats["packets_nobody"] == 5
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_a_disk_store_takes_lossy_ltp_rounds_as_the_memory_store_does(tmp_path, fill):
+    """MXPS_STORE=disk with LTP: the same packets, some lost by some workers and some by all
+    (frozen: weight and momentum kept), give the disk server the memory server's weights, and
+    its frozen elements stay bit for bit as they were."""
+    from mxps.roles.server_state import StoreSettings
+    mem = ltp_server(3, SGD, fill=fill)
+    disk = ltp_server(3, SGD, fill=fill, store=StoreSettings(str(tmp_path), 4096))
+    rng, clock = random.Random(7), Clock()
+    for it, nobody in ((1, (3,)), (2, ()), (3, (0, NP - 1))):
+        grads = [np.random.default_rng(10 * it + w).integers(-9, 10, N).astype(np.float32)
+                 for w in range(3)]
+        drops = drops_for(rng, 3, nobody)
+        before = pull(disk, it - 1) if it > 1 else None
+        for s in (mem, disk):
+            play(s, grads, it, drops, clock)
+            assert s.slots[(KEY, 0)].applied == it
+        got, want = pull(disk, it), pull(mem, it)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        frozen = packet_mask(drops) == 0
+        assert frozen.sum() == sum(min(EPP, N - q * EPP) for q in nobody)
+        if before is not None:
+            assert got[frozen].tobytes() == before[frozen].tobytes()
+    assert disk.store_stats()["scatters"] >= 3       # every round went through the row store
 
 
 def test_in_a_keys_first_round_elements_nobody_delivered_keep_a_fresh_momentum():

@@ -25,6 +25,8 @@ CASES = [
      dict(update_on_kvstore=True, MXPS_MODE="wsp", MXPS_WSP_K=2, **DISK)),
     ("disk_store+update_on_workers", dict(update_on_kvstore=False),
      dict(update_on_kvstore=False, **DISK)),
+    ("ltp+disk_store", dict(update_on_kvstore=True),
+     dict(update_on_kvstore=True, **LTP, **DISK)),
 ]
 
 

@@ -43,8 +43,8 @@ worker ``paths`` (MXPS_PUSH=ltp only: the I/O thread, every ``PATH_SAMPLE`` s wh
     bytes in flight, pushes queued or awaiting their END's ACK, and the path's sent,
     delivered and lost byte counters (bytes/s, s, bytes).
 server ``data`` (``SERVER_DATA_COLUMNS``; ``worker`` -1 where no worker applies)
-    ``push_arrived``, ``round_complete`` (all W pushes summed and the optimizer applied, or the
-    sum stored), ``push_applied`` (async: one push applied), ``pull_parked`` (a pull of a round
+    ``push_arrived``, ``round_complete`` (the round's pushes summed and the optimizer applied,
+    or the sum stored; in async every push is a round of its own), ``pull_parked`` (a pull of a round
     not complete yet), ``pull_answered``, ``request_deferred`` (overlapped re-plan: a request
     for a slice still being built waits for it; a push is acked at once and its
     ``push_arrived`` follows when the slice is built).

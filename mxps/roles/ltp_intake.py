@@ -11,10 +11,8 @@ import heapq
 import logging
 
 from ..kernels import ltp_packet
-from ..kernels.ndview import cut_state
 from ..ltp import close as ltp_close, rounds as ltp_rounds
 from ..wire import frame as wire
-from .optimizer_states import put_state
 from .rounds import Round
 
 log = logging.getLogger("mxps.server")
@@ -111,9 +109,7 @@ class LtpIntake:
                 return
             raise _Drop("late")
         if rnd is None:
-            acc, acc_nd = slot.store.accumulator(slot.store.snapshot, self.updater is not None)
-            acc[:] = 0
-            rnd = slot.rounds[r] = Round(acc, acc_nd)
+            rnd = slot.rounds[r] = Round(*slot.store.round_buffer(self.updater is not None))
         if rnd.ltp is None:
             itemsize = wire.dtype_of(slot.dtype_code).itemsize
             epp = ltp_packet.elements_per_packet(st.budget, itemsize)
@@ -204,23 +200,3 @@ class LtpIntake:
         if self._trace is not None:
             self._data_row("round_closed_" + reason, slot, r, -1,
                            int(1e6 * lt.delivered()))
-
-    def _keep(self, slot, ranges):
-        """Copies of the weights and optimizer state at ``ranges`` (before an update).  In a
-        key's first round the state does not exist yet: it is created here as MXNet's Updater
-        would at its first call, so the frozen elements keep a fresh state too."""
-        updater = self.updater
-        if slot.index not in updater.states:
-            updater.states[slot.index] = updater.optimizer.create_state_multi_precision(
-                slot.index, slot.store.weight_nd)
-            updater.states_synced[slot.index] = True
-        state = updater.states.get(slot.index)
-        return [(slot.store.weight[lo:hi].copy(), cut_state(state, lo, hi))
-                for lo, hi in ranges]
-
-    def _restore(self, slot, ranges, kept):
-        """Put back what ``_keep`` copied: those elements did not take part in the round."""
-        state = self.updater.states.get(slot.index)
-        for (lo, hi), (weight, st) in zip(ranges, kept):
-            slot.store.weight[lo:hi] = weight
-            put_state(state, st, lo, hi)

@@ -15,23 +15,10 @@ import sys
 import mxnet as mx
 import numpy as np
 
-from ..kernels.ndview import numpy_view
 from ..wire import frame as wire, typed
 from ..wire.frame import MsgType
 from .server_requests import RequestError, check_state, count_field, fields, floating, \
     payload_bytes
-
-
-def put_state(state, saved, lo, hi):
-    """Write ``saved`` (``cut_state``'s copies) back into elements [lo, hi) of ``state``."""
-    if state is None or saved is None:
-        return
-    if isinstance(state, (tuple, list)):
-        for s, v in zip(state, saved):
-            put_state(s, v, lo, hi)
-        return
-    state.wait_to_read()       # the update that wrote it has finished
-    numpy_view(state)[lo:hi] = saved
 
 
 class _OptimizerUnpickler(pickle.Unpickler):

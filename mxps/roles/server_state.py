@@ -469,10 +469,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
             return
         if slot.index != slot.key and slot.index not in self._aliased:
             self._alias(slot)
-        kept = self._keep(slot, rnd.frozen) if rnd.frozen else None
-        store.apply_update(self.updater, slot.index, rnd.acc, rnd.acc_nd)
-        if kept is not None:
-            self._restore(slot, rnd.frozen, kept)
+        store.apply_update(self.updater, slot.index, rnd.acc, rnd.acc_nd, rnd.frozen)
         # Replies come straight from the stored weights, without a copy, unless the policy
         # says a reply may still be reading them when they change (rounds.Bsp.copies)
         store.serve_weights(copy=self.policy.copies)

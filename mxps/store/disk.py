@@ -114,6 +114,10 @@ class DiskSlice:
     def accumulator(self, like, for_optimizer):
         return np.empty(self.length, self.dtype), None
 
+    def round_buffer(self, for_optimizer):
+        """``accumulator`` for a round whose first values come in packets (LTP), zeroed."""
+        return np.zeros(self.length, self.dtype), None
+
     def recycle(self, acc, acc_nd):
         pass
 
@@ -123,12 +127,18 @@ class DiskSlice:
         w.reshape(-1)[self.lo:self.hi] = acc
         self.rows.scatter(self.all_rows, w, states)
 
-    def apply_update(self, updater, index, grad, grad_nd=None):
-        """A dense round: the optimizer (``updater.optimizer``) on every row of the slice."""
+    def apply_update(self, updater, index, grad, grad_nd=None, frozen=()):
+        """A dense round: the optimizer (``updater.optimizer``) on every row of the slice;
+        elements in the ``frozen`` ranges (an LTP round's elements nobody delivered) keep their
+        weights and state."""
         w, states = self.rows.gather(self.all_rows)
         sl = slice(self.lo, self.hi)
         new_w, new_s = step(updater.optimizer, index, w.reshape(-1)[sl], grad,
                             [s.reshape(-1)[sl] for s in states], self.template)
+        for lo, hi in frozen:           # the gathered rows still hold the old values
+            new_w[lo:hi] = w.reshape(-1)[sl][lo:hi]
+            for s, n in zip(states, new_s):
+                n[lo:hi] = s.reshape(-1)[sl][lo:hi]
         w.reshape(-1)[sl] = new_w
         for s, n in zip(states, new_s):
             s.reshape(-1)[sl] = n

@@ -2,7 +2,7 @@
 import mxnet as mx
 import numpy as np
 
-from ..kernels.ndview import numpy_view
+from ..kernels.ndview import cut_state, numpy_view
 from . import row_sets as sparse
 from .optimizer_step import step
 
@@ -47,6 +47,12 @@ class MemorySlice:
         acc_nd.wait_to_read()
         return numpy_view(acc_nd), acc_nd
 
+    def round_buffer(self, for_optimizer):
+        """``accumulator`` for a round whose first values come in packets (LTP), zeroed."""
+        acc, acc_nd = self.accumulator(self.weight, for_optimizer)
+        acc[:] = 0
+        return acc, acc_nd
+
     def recycle(self, acc, acc_nd):
         """An accumulator whose round was applied (the updater has finished reading it)."""
         self._free.append((acc, acc_nd))
@@ -56,15 +62,34 @@ class MemorySlice:
         """Update on workers: the round's sum is the stored value."""
         self.snapshot = acc
 
-    def apply_update(self, updater, index, acc, acc_nd):
+    def apply_update(self, updater, index, acc, acc_nd, frozen=()):
         """A dense round with the optimizer on the servers: MXNet's ``updater`` (its states
         by index) on the stored weights, in place; ``acc_nd`` is the NDArray behind the sum
-        (None: the round began before the optimizer was set), recycled after."""
+        (None: the round began before the optimizer was set), recycled after.  Elements in
+        the ``frozen`` ranges (an LTP round's elements nobody delivered) keep their weights and
+        optimizer state."""
+        kept = self._keep(updater, index, frozen) if frozen else None
         nd = acc_nd if acc_nd is not None else mx.nd.array(acc, dtype=acc.dtype)
         updater(index, nd, self.weight_nd)
         self.weight_nd.wait_to_read()       # the update (which read the sum) is done
+        if kept is not None:
+            state = updater.states.get(index)
+            for (lo, hi), (weight, st) in zip(frozen, kept):
+                self.weight[lo:hi] = weight
+                _put_state(state, st, lo, hi)
         if acc_nd is not None:
             self.recycle(acc, acc_nd)
+
+    def _keep(self, updater, index, ranges):
+        """Copies of the weights and optimizer state at ``ranges`` (before an update).  In a
+        key's first round the state does not exist yet: it is created here as MXNet's Updater
+        would at its first call, so the frozen elements keep a fresh state too."""
+        if index not in updater.states:
+            updater.states[index] = updater.optimizer.create_state_multi_precision(
+                index, self.weight_nd)
+            updater.states_synced[index] = True
+        state = updater.states.get(index)
+        return [(self.weight[lo:hi].copy(), cut_state(state, lo, hi)) for lo, hi in ranges]
 
     def apply_rows(self, updater, index, rows, block):
         """A row-sparse round, as MXNet's lazy update: the optimizer on the pushed elements
@@ -105,3 +130,15 @@ class MemorySlice:
     def cut(self, lo, hi):
         """A copy of the served elements [lo, hi) (slice coordinates)."""
         return np.array(self.snapshot[lo:hi])
+
+
+def _put_state(state, saved, lo, hi):
+    """Write ``saved`` (``cut_state``'s copies) back into elements [lo, hi) of ``state``."""
+    if state is None or saved is None:
+        return
+    if isinstance(state, (tuple, list)):
+        for s, v in zip(state, saved):
+            _put_state(s, v, lo, hi)
+        return
+    state.wait_to_read()       # the update that wrote it has finished
+    numpy_view(state)[lo:hi] = saved
