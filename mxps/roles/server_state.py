@@ -1,5 +1,13 @@
 """The server's protocol as a state machine: one incoming message in, the messages to send out.
 
+The rounds core.  A round's life is here: a push is placed in a round by the round policy
+(``rounds.Bsp``, ``Wsp``, ``Async``: which round, when it completes, when a pull may be
+answered), summed, and applied by the slice's store (``store.memory.MemorySlice`` or
+``store.disk.DiskSlice``: the same calls), then the pulls waiting for it are answered.  The
+features that feed or move rounds are parts of ``ServerState`` in files of their own: LTP's
+packets (``ltp_intake``), live re-planning (``migration``), the optimizer's requests
+(``optimizer_states``), row-sparse requests (``row_requests``).
+
 ``ServerState`` holds everything a server knows (its slices, their rounds, waiting pulls, the
 optimizer, the re-plan in progress) and has no sockets and no clock, so every rule below can be
 driven message by message in one process (tests/test_server_state.py); ``mxps.roles.server``
