@@ -373,6 +373,20 @@ def test_older_checkpoints_are_kept_as_asked_and_a_step_not_kept_is_refused(tmp_
     same(all_rows(back), seen[6])
 
 
+def test_a_flush_at_the_step_of_the_last_one_replaces_it(tmp_path, layout):
+    disk = DiskRows(layout, tmp_path, "t", tiny(layout, 2), keep=3)
+    for step in (3, 6):
+        fill(disk, np.arange(0, 40, step), step)
+        disk.flush(step)
+    fill(disk, np.arange(0, 40, 5), 7)
+    disk.flush(6)
+    want = all_rows(disk)
+    assert disk.checkpoints() == [3, 6]
+    del disk
+    same(all_rows(DiskRows(layout, tmp_path, "t", tiny(layout, 2), resume=True, at=6,
+                           keep=3)), want)
+
+
 def test_a_store_never_flushed_is_refused(tmp_path, layout):
     disk = DiskRows(layout, tmp_path, "t", tiny(layout, 2))
     fill(disk, np.arange(10), 1)

@@ -630,9 +630,8 @@ class DiskRows(CachedRows):
             self._write_meta()
             if previous is not None:
                 previous["undo"] = self._undo.file
-        if previous is not None and previous["step"] != step or not self._clean:
-            if previous is not None:
-                self._older.append(previous)
+        if previous is not None and previous["step"] != step:   # the same step: replaced
+            self._older.append(previous)
         dropped = self._older[:max(0, len(self._older) - (self.keep - 1))]
         self._older = self._older[len(dropped):]
         undo, self._undo = self._undo, None
