@@ -30,10 +30,10 @@ OPTIMIZERS = {
 }
 
 
-def new_server(make, directory=None, cache_mb=0.004, resume=False):
+def new_server(make, directory=None, cache_mb=0.004, resume=False, sync=True, workers=2):
     store = None if directory is None else \
         StoreSettings(str(directory), int(cache_mb * (1 << 20)), resume)
-    s = ServerState(0, 2, True, store=store)
+    s = ServerState(0, workers, sync, store=store)
     s.on_request(b"w0", Header(MsgType.SET_OPTIMIZER, sender=0), pickle.dumps(make()))
     rng = np.random.RandomState(5)
     for key, n, cols in ((DENSE, N_DENSE, 1), (SPARSE, ROWS * COLS, COLS)):
@@ -90,15 +90,33 @@ def assert_same(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_disk_server_with_a_tiny_cache_answers_what_a_memory_server_answers(tmp_path, name):
-    mem, disk = new_server(OPTIMIZERS[name]), new_server(OPTIMIZERS[name], tmp_path)
+def test_a_disk_server_with_a_tiny_cache_answers_what_a_memory_server_answers(tmp_path, name,
+                                                                             sync):
+    """Dense and row-sparse pushes of 2 workers and their pulls; async: every push applied on
+    arrival (the same order to both servers)."""
+    mem = new_server(OPTIMIZERS[name], sync=sync)
+    disk = new_server(OPTIMIZERS[name], tmp_path, sync=sync)
     msgs = messages(1, 6)
     assert_same(play(mem, msgs), play(disk, msgs))
     for k, v in values(mem).items():
         np.testing.assert_allclose(values(disk)[k], v, rtol=1e-6, atol=1e-7)
     stats = disk.store_stats()
     assert stats["evictions"] > 0 and stats["misses"] > 0      # the cache really was small
+
+
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_async_of_one_worker_answers_as_sync_with_dense_and_row_sparse_keys(tmp_path, store):
+    """With one worker a sync round completes at its push: async (every push applied on
+    arrival) must give the same replies, dense pushes and row-sparse ones alike."""
+    directory = None if store == "memory" else tmp_path
+    msgs = [m for m in messages(6, 5) if m[0] == 0]
+    got = play(new_server(OPTIMIZERS["adam"], directory and directory / "a", sync=False,
+                          workers=1), msgs)
+    want = play(new_server(OPTIMIZERS["adam"], directory and directory / "s", workers=1), msgs)
+    assert len(got) == 10
+    assert_same(got, want)
 
 
 def test_a_flushed_store_resumes_exactly_where_an_uninterrupted_server_would_be(tmp_path):
