@@ -57,7 +57,7 @@ def test_a_1bit_job_trains_the_same_by_pushpull_and_by_push_then_pull(jobs):
     one_bit = {"JOB_COMPRESSION": "1bit:0"}
     a = jobs.train(train_env("mxps", **one_bit), 2, 2)
     b = jobs.train(train_env("mxps", JOB_PUSH_PULL=1, **one_bit), 2, 2)
-    plain = jobs.train(train_env("mxps"), 2, 2)
+    plain = jobs.train(train_env("mxps", update_on_kvstore=True), 2, 2)   # test_equivalence's too
     wa, wb = assert_synchronised(a.out_dir, 2), assert_synchronised(b.out_dir, 2)
     assert_weights_close(wa, wb, rtol=0.0, what="1bit pushpull vs push then pull")
     wp = load_weights(plain.out_dir, 0)
