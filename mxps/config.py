@@ -69,6 +69,7 @@ class Config:
     store_cache_mb: float = 256.0
     store_resume: bool = False
     store_checkpoint_rounds: int = 0    # every N rounds a job-wide checkpoint (0: at the stop)
+    store_checkpoint_seconds: float = 0.0   # ... or every S seconds (worker 0 picks the round)
     # MXPS_PUSH=ltp: the loss-tolerant push over UDP (docs/LTP.md)
     push: str = "tcp"
     ltp_fill: str = "rescale"
@@ -163,7 +164,7 @@ def _bool(env, name, default=False):
 
 def _store(env):
     """MXPS_STORE (memory or disk), MXPS_STORE_DIR, MXPS_STORE_CACHE_MB, MXPS_STORE_RESUME,
-    MXPS_STORE_CHECKPOINT_ROUNDS."""
+    MXPS_STORE_CHECKPOINT_ROUNDS, MXPS_STORE_CHECKPOINT_SECONDS."""
     kind = (_get(env, "MXPS_STORE", "memory")).lower()
     if kind not in ("memory", "disk"):
         raise ConfigError("MXPS_STORE=%r: use memory or disk" % kind)
@@ -176,12 +177,17 @@ def _store(env):
         raise ConfigError("MXPS_STORE_RESUME=1 resumes a disk store: set MXPS_STORE=disk and "
                           "MXPS_STORE_DIR")
     every = _int(env, "MXPS_STORE_CHECKPOINT_ROUNDS", 0, minimum=0)
-    if every and kind != "disk":
-        raise ConfigError("MXPS_STORE_CHECKPOINT_ROUNDS=%d checkpoints a disk store: set "
-                          "MXPS_STORE=disk and MXPS_STORE_DIR" % every)
+    seconds = _float(env, "MXPS_STORE_CHECKPOINT_SECONDS", 0.0, minimum=-1.0)
+    if seconds < 0:
+        raise ConfigError("MXPS_STORE_CHECKPOINT_SECONDS=%g must be at least 0" % seconds)
+    for name, v in (("MXPS_STORE_CHECKPOINT_ROUNDS", every),
+                    ("MXPS_STORE_CHECKPOINT_SECONDS", seconds)):
+        if v and kind != "disk":
+            raise ConfigError("%s=%g checkpoints a disk store: set MXPS_STORE=disk and "
+                              "MXPS_STORE_DIR" % (name, v))
     return {"store": kind, "store_dir": directory, "store_resume": resume,
             "store_cache_mb": _float(env, "MXPS_STORE_CACHE_MB", 256.0),
-            "store_checkpoint_rounds": every}
+            "store_checkpoint_rounds": every, "store_checkpoint_seconds": seconds}
 
 
 def _wsp(env):

@@ -1,12 +1,17 @@
 """Job-wide checkpoints of the disk store (mxps/store/checkpoints.py): which round a resumed job
 starts from, and how the scheduler tells every node (a made-up clock, no processes)."""
+import pickle
+
+import mxnet as mx
 import numpy as np
 import pytest
 
 from mxps.roles.scheduler_state import SchedulerState
+from mxps.roles.server_state import ServerState, StoreSettings
 from mxps.store import checkpoints
-from mxps.store.rows import DiskRows, RowLayout
-from mxps.wire.frame import MsgType
+from mxps.store.rows import DiskRows, RowLayout, reachable_steps
+from mxps.wire import frame as wire
+from mxps.wire.frame import Header, MsgType, dtype_code
 from test_scheduler_state import Job, make_cfg, sent
 
 LAYOUT = RowLayout(8, 2, np.float32, 1)
@@ -86,3 +91,39 @@ def test_a_register_with_malformed_checkpoints_is_dropped():
     job.send(b"s0", MsgType.REGISTER, info)
     assert job.state.malformed == 1 and not job.state.nodes
     assert isinstance(job.state, SchedulerState)
+
+
+def test_worker_0_marks_every_push_of_the_first_round_it_starts_once_the_seconds_passed():
+    t = [0.0]
+    clock = checkpoints.RoundClock(10.0, clock=lambda: t[0])
+    marked = []
+    for r in range(1, 9):
+        t[0] = 4.0 * r                      # round r starts at 4r s; its keys' pushes follow
+        marked.append([clock.marks(r) for _ in range(3)])
+        t[0] += 1.0
+        assert clock.marks(r) == marked[-1][0]      # a later key's push of the same round
+    assert [r for r, m in enumerate(marked, 1) if all(m)] == [3, 6]   # 12 s, then 24 s
+    assert all(not any(m) for r, m in enumerate(marked, 1) if r not in (3, 6))
+
+
+def test_a_server_checkpoints_the_round_worker_0_marked_and_no_other(tmp_path):
+    s = ServerState(0, 2, True, store=StoreSettings(str(tmp_path), 1 << 20))
+    s.on_request(b"w0", Header(MsgType.SET_OPTIMIZER, sender=0),
+                 pickle.dumps(mx.optimizer.SGD(learning_rate=0.1)))
+    f32 = dtype_code(np.float32)
+    for key in (1, 2):
+        s.on_request(b"w0", Header(MsgType.INIT, key=key, sender=0, length=50, dtype=f32),
+                     np.zeros(50, np.float32))
+    for r in range(1, 6):
+        for key in (1, 2):
+            for w in (0, 1):
+                flags = wire.CHECKPOINT if (w, r) == (0, 3) else 0
+                out = s.on_request(b"w%d" % w, Header(MsgType.PUSH, key=key, sender=w,
+                                                      iteration=r, length=50, dtype=f32,
+                                                      flags=flags),
+                                   np.ones(50, np.float32))
+                assert out[0].header.type == MsgType.ACK, out[0].payload
+    assert s.checkpoints == [3]
+    tables = reachable_steps(str(tmp_path))
+    assert sorted(tables) == ["key1_at0", "key2_at0"]
+    assert all(steps == [0, 3] for steps in tables.values()), tables

@@ -308,6 +308,10 @@ def test_store_settings_are_read_and_bad_ones_refused_by_name():
                           "MXPS_STORE_CHECKPOINT_ROUNDS=3 checkpoints a disk store"),
                          (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x",
                                MXPS_STORE_CHECKPOINT_ROUNDS="-1"), "must be at least 0"),
+                         (dict(MXPS_STORE_CHECKPOINT_SECONDS="5"),
+                          "MXPS_STORE_CHECKPOINT_SECONDS=5 checkpoints a disk store"),
+                         (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x",
+                               MXPS_STORE_CHECKPOINT_SECONDS="-2"), "must be at least 0"),
                          (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x", MXPS_PLAN="adaptive"),
                           "MXPS_STORE=disk and live re-planning")):
         with pytest.raises(config.ConfigError, match=match):

@@ -38,6 +38,7 @@ from ..placement import plan as plan_mod, trace as trace_mod
 from ..placement.metrics import StepMetrics
 from ..placement.plan import Plan, ProportionalRule, chunked_rule, mxnet_default_rule
 from ..store import row_sets as sparse_rows
+from ..store.checkpoints import RoundClock
 from ..store.table_init import TableInit
 from ..roles.link import PeerLostError, fatal
 from ..roles.worker import Client
@@ -318,6 +319,9 @@ class MXPS(KVStoreBase):
         self._optimizer = None
         self._updater = None
         self._compression = None    # set_gradient_compression's codec
+        # MXPS_STORE_CHECKPOINT_SECONDS: worker 0 marks the rounds the servers checkpoint
+        self._checkpoints = RoundClock(self._cfg.store_checkpoint_seconds) \
+            if self._cfg.store_checkpoint_seconds and self.rank == 0 else None
 
     # -- properties MXNet reads --------------------------------------------------------------
     @property
@@ -492,6 +496,7 @@ class MXPS(KVStoreBase):
         slices = k.slices              # the placement when the op is issued, not when it runs
         sync = self._cfg.sync
         codec = self._compression if msg != MsgType.PULL and src is not None else None
+        mark = wire.CHECKPOINT if msg != MsgType.PULL and self._marks(it) else 0
         if codec is not None and k.residual is None:
             k.residual = np.zeros(k.size, np.float32)
         residual = k.residual
@@ -520,12 +525,12 @@ class MXPS(KVStoreBase):
                 # a PULL names the dtype it expects back: a reply of another is refused
                 h = Header(MsgType.PUSH if split else msg, key=k.id, iteration=it,
                            plan_version=plan_version, offset=s.offset, length=s.length,
-                           dtype=k.code)
+                           dtype=k.code, flags=mark)
                 payload = sview[s.offset:s.stop] if sview is not None else None
                 if codec is not None:
                     # the engine runs one operation of a key at a time (its seq), so the
                     # residual is this operation's alone
-                    h.flags = codec.flag
+                    h.flags |= codec.flag
                     payload = codec.encode(payload, residual[s.offset:s.stop])
                 client.submit(s.server, h, payload, on_reply,
                               priority if sync and h.type == MsgType.PUSH else None)
@@ -535,6 +540,10 @@ class MXPS(KVStoreBase):
         consts = [] if src is None or src is dst else [handle_value(src)]
         muts = [handle_value(k.seq)] + ([handle_value(dst)] if dst is not None else [])
         engine.push_async(run, consts, muts, priority, b"mxps_" + MsgType(msg).name.encode())
+
+    def _marks(self, round_):
+        """Whether this worker marks its pushes of ``round_`` as the servers' checkpoint."""
+        return self._checkpoints is not None and round_ > 0 and self._checkpoints.marks(round_)
 
     def _op_done(self):
         with self._idle:
@@ -702,6 +711,7 @@ class MXPS(KVStoreBase):
         data = grad.data.asnumpy().reshape(ids.size, k.cols)
         self._next_push(k)
         it = k.pushes
+        mark = wire.CHECKPOINT if self._marks(it) else 0
         what = "push of key %r" % (k.name,)
         with self._idle:
             self._inflight += 1
@@ -712,7 +722,7 @@ class MXPS(KVStoreBase):
                                "values": np.ascontiguousarray(flat)})
             self._client.submit(s.server, Header(
                 MsgType.PUSH_ROWS, key=k.id, iteration=it, plan_version=self._plan.version,
-                offset=s.offset, length=s.length, dtype=k.code), body, countdown,
+                offset=s.offset, length=s.length, dtype=k.code, flags=mark), body, countdown,
                 priority if self._cfg.sync else None)
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):

@@ -124,8 +124,9 @@ class Server:
             wsp = WspSettings(self.cfg.wsp_k, self.cfg.wsp_staleness, time.monotonic)
         store = None
         if self.cfg.store == "disk":     # docs/STORE.md: one directory per server
-            if self.cfg.store_checkpoint_rounds and self.cfg.mode != "sync":
-                self.link.fail("MXPS_STORE_CHECKPOINT_ROUNDS needs sync mode (BSP), not %s: "
+            if (self.cfg.store_checkpoint_rounds or self.cfg.store_checkpoint_seconds) and \
+                    self.cfg.mode != "sync":
+                self.link.fail("MXPS_STORE_CHECKPOINT_ROUNDS/_SECONDS need sync mode (BSP), not %s: "
                                "there the rounds of different keys complete at different "
                                "times, so no round is a state of the whole model to return "
                                "to (the store is flushed at the clean stop only)"

@@ -115,7 +115,8 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         # MXPS_STORE=disk: StoreSettings, or None (every slice in RAM)
         self.store = store
         self._resumed = None       # MXPS_STORE_RESUME: the round the store was flushed at
-        self.checkpoints = []      # MXPS_STORE_CHECKPOINT_ROUNDS: the rounds flushed
+        self.checkpoints = []      # MXPS_STORE_CHECKPOINT_ROUNDS/_SECONDS: the rounds flushed
+        self._marked = set()       # rounds worker 0 marked for a checkpoint (this job's count)
         # messages that are nobody's request (stray peer replies, PLANs that do not parse):
         # dropped, counted and logged rate-limited
         self.drops = Tally(log)
@@ -363,15 +364,19 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
             slot.store.flush(self.round_base + slot.applied)
 
     def _maybe_checkpoint(self, slot):
-        """MXPS_STORE_CHECKPOINT_ROUNDS (BSP): once every slice here has applied a round that
-        is a multiple of the setting, all of them are flushed at it, before the pulls that
-        round answers go out (store.checkpoints says why that makes a job-wide checkpoint)."""
+        """MXPS_STORE_CHECKPOINT_ROUNDS / _SECONDS (BSP): once every slice here has applied a
+        round that is a multiple of the setting, or that worker 0 marked, all of them are
+        flushed at it, before the pulls that round answers go out (store.checkpoints says why
+        that makes a job-wide checkpoint)."""
         st = self.store
         step = self.round_base + slot.applied
-        if (st is None or not st.every or step % st.every or not self.policy.consistent
+        due = st is not None and (st.every and step % st.every == 0
+                                  or slot.applied in self._marked)
+        if (not due or not self.policy.consistent
                 or self.checkpoints and self.checkpoints[-1] == step
                 or any(x.applied != slot.applied for x in self.slots.values())):
             return
+        self._marked.discard(slot.applied)
         t0 = time.monotonic()
         for x in self.slots.values():
             x.store.flush(step)
@@ -409,6 +414,8 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
             raise RequestError("key %d: dist_async needs the optimizer on the servers "
                                "(update_on_kvstore=True / set_optimizer)" % h.key)
         r = self.policy.place(slot, h)
+        if h.flags & wire.CHECKPOINT:       # worker 0 chose round r (store.checkpoints)
+            self._marked.add(r)
         rnd = slot.rounds.get(r)
         if rnd is None:
             rnd = slot.rounds[r] = self._new_round(slot, grad)

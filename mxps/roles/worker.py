@@ -435,7 +435,8 @@ class Client:
     def _ltp_takes(self, server, h, payload):
         """Whether LTP takes this push: a dense, uncompressed float slice of
         MXPS_LTP_MIN_BYTES or more to a server with a path.  A row-sparse push (PUSH_ROWS: ids
-        and rows, not the slice's elements) and a compressed one (16-32x smaller) go by TCP."""
+        and rows, not the slice's elements), a compressed one (16-32x smaller) and one marked
+        for a checkpoint (its header's flag must reach the server) go by TCP."""
         return h.type == MsgType.PUSH and not h.flags and self.ltp.takes(
             server, h, payload, self.cfg.ltp_min_bytes, self._FLOATS.get(h.dtype))
 

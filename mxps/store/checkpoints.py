@@ -7,8 +7,15 @@ round r + N before every server finished flushing r: at a crash the servers' new
 checkpoints differ by at most one, and with two kept every server can return to the newest
 round they all hold.  At resume each server reports what its directories hold
 (``held``), and the scheduler picks that round (``agree``) and tells every node.
+
+Every S seconds (MXPS_STORE_CHECKPOINT_SECONDS) instead: the servers must still flush the same
+round, so one node picks it.  Worker 0 (``RoundClock``) marks every push of the first round it
+starts once S seconds have passed since the last mark (the header's CHECKPOINT flag; a marked
+push goes by TCP, never LTP, so every server reads the flag); a server checkpoints a round one
+of its pushes marked, and every server gets worker 0's pushes of every round.
 """
 import os
+import time
 
 from .rows import reachable_steps
 
@@ -59,3 +66,24 @@ def agree(reports, num_servers):
                 "server %d: %s" % (k, sorted(rounds[k]) or "none")
                 for k in range(num_servers)))
     return max(common)
+
+
+class RoundClock:
+    """Worker 0's choice of the rounds to checkpoint every ``seconds`` (``clock``: seconds).
+    ``marks(r)`` for every push of round r, in the order the worker launches them: whether
+    to mark it.  Rounds are decided at their first push, from the time since the last mark."""
+
+    def __init__(self, seconds, clock=time.monotonic):
+        self.seconds = seconds
+        self.clock = clock
+        self.last = clock()
+        self.seen = 0
+        self.marked = None
+
+    def marks(self, round_):
+        if round_ > self.seen:
+            self.seen = round_
+            now = self.clock()
+            if now - self.last >= self.seconds:
+                self.marked, self.last = round_, now
+        return round_ == self.marked

@@ -100,14 +100,15 @@ def decode(flag, n, payload):
 def push_values(h, payload):
     """A PUSH / PUSHPULL's gradient as a flat array: a view of the payload, or its values
     decoded when the header's flags name a codec (float32 only)."""
-    if not h.flags:
+    flag = h.flags & wire.CODEC_MASK
+    if not flag:
         return wire.payload_array(h, payload)
     if h.dtype != _F32:
         raise wire.WireError("key %d: a compressed push of %s values; compression carries "
                              "float32 only" % (h.key, wire.dtype_of(h.dtype)))
     if payload is None:
         raise wire.WireError("key %d: a compressed push without its payload" % h.key)
-    return decode(h.flags, h.length, payload)
+    return decode(flag, h.length, payload)
 
 
 def parse(params):

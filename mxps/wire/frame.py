@@ -11,7 +11,8 @@ restricted unpickler).  The header:
     4      1    version (WIRE_VERSION)
     5      1    type   (MsgType)
     6      1    dtype  (DTYPE codes below; 255 = no array payload)
-    7      1    flags  (reserved, 0)
+    7      1    flags  (a push's: bits 0-6 its compression codec, wire.compression; bit 7
+                   CHECKPOINT, the disk store's checkpoint round, store.checkpoints)
     8      4    key    (int32, the kvstore key id)
     12     4    sender (int32, rank of the sending node in its role; -1 = unknown)
     16     8    iteration (int64: per-key push count of the sending worker, 1-based)
@@ -43,6 +44,12 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 
 class WireError(ValueError):
     """A message that is not a valid mxps message (bad magic, version, size or type)."""
+
+
+#: a push's flag: worker 0 marks every push of the round the servers checkpoint
+#: (MXPS_STORE_CHECKPOINT_SECONDS, store.checkpoints); the other bits name a codec
+CHECKPOINT = 0x80
+CODEC_MASK = 0x7F
 
 
 class MsgType(enum.IntEnum):
