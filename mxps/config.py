@@ -177,7 +177,7 @@ def _store(env):
         raise ConfigError("MXPS_STORE_RESUME=1 resumes a disk store: set MXPS_STORE=disk and "
                           "MXPS_STORE_DIR")
     every = _int(env, "MXPS_STORE_CHECKPOINT_ROUNDS", 0, minimum=0)
-    seconds = _float(env, "MXPS_STORE_CHECKPOINT_SECONDS", 0.0, minimum=-1.0)
+    seconds = _float(env, "MXPS_STORE_CHECKPOINT_SECONDS", 0.0, minimum=float("-inf"))
     if seconds < 0:
         raise ConfigError("MXPS_STORE_CHECKPOINT_SECONDS=%g must be at least 0" % seconds)
     for name, v in (("MXPS_STORE_CHECKPOINT_ROUNDS", every),
