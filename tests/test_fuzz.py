@@ -62,7 +62,7 @@ SECRET = "fuzz-secret-" + secrets.token_hex(16)
 SETTINGS = tcp.Settings(auth.Credentials(SECRET.encode()))
 F32 = wire.dtype_code(np.float32)
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-LIVE_STEPS = 4000          # long enough to train through the live fuzzers and floods
+LIVE_STEPS = 6000          # long enough to train through the live fuzzers and floods
 FLOOD_SECONDS = 6          # each flood's length (scripts/flood.py --seconds)
 FUZZ = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -1050,8 +1050,9 @@ def test_live_fuzzed_nodes_log_the_garbage_without_a_traceback(fuzzed):
 @pytest.fixture(scope="module")
 def flooded(reference, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("flood") / "result.json")
-    # both phases must end before the job's LIVE_STEPS do: unflooded they take ~16 s here
-    # (250 steps/s), a flood slows them to ~90 steps/s, and 2 x 6 s of flood leave a margin
+    # both phases must end before the job's LIVE_STEPS do: unflooded they take ~21 s here
+    # (283 steps/s; 4000 steps ended inside the second flood), a flood slows them to 65-106
+    # steps/s, and 2 x 6 s of flood (with the flooders' start-up) leave a margin
     rc, stdout, stderr = _run_script("flood.py", [
         "--seconds", str(FLOOD_SECONDS), "--modes", "outsider", "slow", "--warmup", "1",
         "--gap", "1", "--steps", str(LIVE_STEPS), "--reference", reference, "--json", out],
