@@ -345,8 +345,9 @@ def test_an_undo_log_cut_short_by_the_crash_is_taken_up_to_its_last_whole_batch(
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
     data = (tmp_path / log[0]).read_bytes()
-    # a last batch half written: the crash came before its data writes
-    (tmp_path / log[0]).write_bytes(data + data[20:20 + 8 + 8 + layout.record_bytes // 2])
+    # a last batch half written (its count garbled too: a log is read a batch at a time, never
+    # as much as a count claims): the crash came before its data writes
+    (tmp_path / log[0]).write_bytes(data + b"\xff\xff\xff\x7f" + data[24:28 + 8 + 8])
     same(all_rows(resume(tmp_path, layout)), want)
     # a batch that fails its checksum with more after it is corruption
     (copy / log[0]).write_bytes(data[:30] + bytes([data[30] ^ 1]) + data[31:] + data[20:])

@@ -427,33 +427,41 @@ class _UndoLog:
 
     @staticmethod
     def apply(table, file):
-        """Write every logged record of ``file`` back into ``table``'s data file."""
+        """Write every logged record of ``file`` back into ``table``'s data file, one batch
+        in memory at a time (a log can be as large as the table)."""
         path = os.path.join(table.directory, file)
         rb = table.layout.record_bytes
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            f = open(path, "rb")
         except FileNotFoundError:
             table._refuse("the undo log %s is missing" % file)
-        if data[:_UNDO_HEAD.size] != _UNDO_HEAD.pack(UNDO_MAGIC, rb, table.layout.n_rows):
-            table._refuse("the undo log %s is not this table's" % file)
-        pos = _UNDO_HEAD.size
-        while pos + _UNDO_BATCH.size <= len(data):
-            count, crc = _UNDO_BATCH.unpack_from(data, pos)
-            end = pos + _UNDO_BATCH.size + count * (8 + rb)
-            body = data[pos + _UNDO_BATCH.size:end]
-            if end > len(data) or zlib.crc32(body) != crc:
-                if end >= len(data):
-                    break                       # cut short by the crash: nothing written yet
-                table._refuse("the undo log %s has a corrupted batch at byte %d" % (file, pos))
-            rows = np.frombuffer(body[:8 * count], "<i8")
-            if count and (rows.min() < 0 or rows.max() >= table.layout.n_rows):
-                table._refuse("the undo log %s names rows outside the table" % file)
-            recs = memoryview(body)[8 * count:]
-            starts, ends = _runs(rows)
-            for s, e in zip(starts, ends):
-                table._pwrite(recs[s * rb:e * rb], int(rows[s]) * rb)
-            pos = end
+        with f:
+            total = os.fstat(f.fileno()).st_size
+            if f.read(_UNDO_HEAD.size) != _UNDO_HEAD.pack(UNDO_MAGIC, rb, table.layout.n_rows):
+                table._refuse("the undo log %s is not this table's" % file)
+            pos = _UNDO_HEAD.size
+            while True:
+                head = f.read(_UNDO_BATCH.size)
+                if len(head) < _UNDO_BATCH.size:
+                    break                   # the end, or a batch header cut short
+                count, crc = _UNDO_BATCH.unpack(head)
+                size = count * (8 + rb)
+                if pos + _UNDO_BATCH.size + size > total:
+                    break                   # cut short by the crash: nothing written yet
+                body = f.read(size)
+                if zlib.crc32(body) != crc:
+                    if not f.read(1):
+                        break               # the last batch, torn: nothing written yet
+                    table._refuse("the undo log %s has a corrupted batch at byte %d"
+                                  % (file, pos))
+                rows = np.frombuffer(body[:8 * count], "<i8")
+                if count and (rows.min() < 0 or rows.max() >= table.layout.n_rows):
+                    table._refuse("the undo log %s names rows outside the table" % file)
+                recs = memoryview(body)[8 * count:]
+                starts, ends = _runs(rows)
+                for a, e in zip(starts, ends):
+                    table._pwrite(recs[a * rb:e * rb], int(rows[a]) * rb)
+                pos += _UNDO_BATCH.size + len(body)
 
 
 UNDO_MAGIC = b"MXPSUNDO"
