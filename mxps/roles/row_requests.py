@@ -54,7 +54,7 @@ class RowRequests:
         """A pull of some rows: answered, like a pull, once its round is complete."""
         slot = self._slot_for(h)
         rows, _ = self._read_rows(h, payload, slot, with_values=False)
-        if self._pull_ready(slot, h):
+        if self.policy.pull_ready(slot, h):
             self._send_value(client, h, slot, rows)
         else:
             slot.waiting.append((client, h, rows))

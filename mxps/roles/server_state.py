@@ -489,12 +489,9 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         # says a reply may still be reading them when they change (rounds.Bsp.copies)
         store.serve_weights(copy=self.policy.copies)
 
-    def _pull_ready(self, slot, h):
-        return self.policy.pull_ready(slot, h)
-
     def _on_pull(self, client, h):
         slot = self._slot_for(h)
-        if self._pull_ready(slot, h):
+        if self.policy.pull_ready(slot, h):
             self._send_value(client, h, slot)
         else:
             slot.waiting.append((client, h, None))
@@ -507,7 +504,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         still = []
         answered = False
         for client, h, rows in slot.waiting:
-            if self._pull_ready(slot, h):
+            if self.policy.pull_ready(slot, h):
                 self._send_value(client, h, slot, rows)
                 answered = True
             else:
