@@ -429,10 +429,12 @@ def from_env(env=None, mode=None):
         raise ConfigError("MXPS_PUSH=ltp and MXPS_REPLAN_OVERLAP=1 do not go together: LTP "
                           "packets of a plan whose state still moves would be dropped; use the "
                           "quiescent re-plan (MXPS_REPLAN_OVERLAP=0)")
-    if cfg.store == "disk" and cfg.replanning:
-        raise ConfigError("MXPS_STORE=disk and live re-planning (MXPS_PLAN=adaptive) do not go "
-                          "together yet: moving a slice would move its table; set "
-                          "MXPS_REPLAN_INTERVAL=0 or another MXPS_PLAN")
+    if cfg.replanning and (cfg.store_resume or cfg.store_checkpoint_rounds
+                           or cfg.store_checkpoint_seconds):
+        raise ConfigError("MXPS_STORE_RESUME / MXPS_STORE_CHECKPOINT_* and live re-planning "
+                          "(MXPS_PLAN=adaptive) do not go together yet: a checkpoint holds the "
+                          "tables of the plan of its round, a resumed job starts from its "
+                          "start-up plan; set MXPS_REPLAN_INTERVAL=0 or another MXPS_PLAN")
     if cfg.mode == "wsp" and cfg.push == "ltp":
         raise ConfigError("MXPS_MODE=wsp and MXPS_PUSH=ltp do not go together yet: an LTP round "
                           "waits for every worker's packets; use MXPS_PUSH=tcp with wsp")

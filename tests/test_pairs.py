@@ -27,6 +27,8 @@ CASES = [
      dict(update_on_kvstore=False, **DISK)),
     ("ltp+disk_store", dict(update_on_kvstore=True),
      dict(update_on_kvstore=True, **LTP, **DISK)),
+    ("replan_every_step+disk_store", dict(update_on_kvstore=True),
+     dict(update_on_kvstore=True, **FORCED, **DISK)),
 ]
 
 
@@ -45,3 +47,7 @@ def test_a_job_with_both_features_ends_with_the_weights_of_the_job_without_one(
     assert_weights_close(assert_synchronised(both.out_dir, 2),
                          assert_synchronised(ref.out_dir, 2), rtol=0.0,
                          what="%s vs %s" % (sorted(pair), sorted(reference)))
+    if "MXPS_REPLAN_FORCE" in pair:         # the re-plans moved state
+        moved = [p["moved_bytes"] for p in both.result.job_info["replan_points"]
+                 if p["new_plan"]]
+        assert len(moved) >= 5 and min(moved) > 0, moved

@@ -9,7 +9,10 @@ behind its sockets.
 """
 import itertools
 import json
+import os
 import pickle
+import shutil
+import tempfile
 
 import mxnet as mx
 import numpy as np
@@ -19,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
 
 from mxps.placement.plan import Slice, table_to_json
-from mxps.roles.server_state import Out, ServerState, optimizer_index
+from mxps.roles.server_state import Out, ServerState, StoreSettings, optimizer_index
 from mxps.wire import typed
 from mxps.wire.frame import NO_DTYPE, Header, MsgType, dtype_code
 
@@ -624,11 +627,16 @@ class Cluster(RuleBasedStateMachine):
     SERVERS = 1
     MOMENTUM = None            # None: update on the workers; else SGD with this momentum
     SIZES = {1: 3, 2: 6}
+    COLS = {}                  # a key's row width (its INIT says), when it has rows
+
+    def store(self, rank):
+        """The servers' store settings (None: in RAM)."""
+        return None
 
     def __init__(self):
         super().__init__()
         W, S = self.WORKERS, self.SERVERS
-        self.servers = [ServerState(s, W, sync=True) for s in range(S)]
+        self.servers = [ServerState(s, W, sync=True, store=self.store(s)) for s in range(S)]
         self.table = {1: (Slice(0, 0, 3),),
                       2: (Slice(0, 0, 6),) if S == 1 else (Slice(0, 0, 2), Slice(1, 2, 4))}
         self.version = 0
@@ -646,7 +654,8 @@ class Cluster(RuleBasedStateMachine):
         for k, slices in self.table.items():
             for x in slices:
                 only(send(self.servers[x.server], MsgType.INIT, k, offset=x.offset,
-                          value=self.values[k][0][x.offset:x.stop]), MsgType.ACK)
+                          it=self.COLS.get(k, 0), value=self.values[k][0][x.offset:x.stop]),
+                     MsgType.ACK)
 
     # -- the model ---------------------------------------------------------------------------
     def _account(self, w, k, r, grad):
@@ -807,7 +816,11 @@ class Migrating(Cluster):
                 np.testing.assert_array_equal(slot.store.snapshot,
                                               self.values[k][r][x.offset:x.stop])
         self.table = new
+        self.check_store()
         event("re-plan" + (" with a part before its PLAN" if net.early else ""))
+
+    def check_store(self):
+        pass
 
 
 class WithOptimizer(Cluster):
@@ -816,6 +829,27 @@ class WithOptimizer(Cluster):
 
 class MigratingWithOptimizer(Migrating):
     MOMENTUM = 0.5
+
+
+class MigratingOnDisk(MigratingWithOptimizer):
+    """The same with the disk store (a cache of a few rows, key 2 in rows of 2 elements, so a
+    moved slice shares rows with its neighbours): each moved slice becomes a table on its new
+    server, with its optimizer state, and leaves no file behind on the old one."""
+
+    COLS = {2: 2}
+
+    def store(self, rank):
+        if not hasattr(self, "_dir"):
+            self._dir = tempfile.mkdtemp(prefix="mxps-migrate-")
+        return StoreSettings(os.path.join(self._dir, "server%d" % rank), 64)
+
+    def check_store(self):
+        for s in self.servers:
+            tables = {f for f in os.listdir(s.store.directory) if f.endswith(".rows")}
+            assert tables == {"key%d_at%d.rows" % k for k in s.slots}, (s.rank, tables)
+
+    def teardown(self):
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class ThreeWorkers(Cluster):
@@ -828,8 +862,10 @@ TestAnyInterleavingOfThreeWorkersGivesTheRoundSums = ThreeWorkers.TestCase
 TestAnyInterleavingWithTheOptimizerOnTheServerGivesTheReferenceWeights = WithOptimizer.TestCase
 TestAnyInterleavingWithReplansBetweenTwoServersGivesTheRoundSums = Migrating.TestCase
 TestAnyInterleavingWithReplansMovesOptimizerStateAndCounts = MigratingWithOptimizer.TestCase
+TestAnyInterleavingWithReplansMovesDiskTablesWithTheirState = MigratingOnDisk.TestCase
 for _case in (TestAnyInterleavingOfThreeWorkersGivesTheRoundSums,
               TestAnyInterleavingWithTheOptimizerOnTheServerGivesTheReferenceWeights,
               TestAnyInterleavingWithReplansBetweenTwoServersGivesTheRoundSums,
-              TestAnyInterleavingWithReplansMovesOptimizerStateAndCounts):
+              TestAnyInterleavingWithReplansMovesOptimizerStateAndCounts,
+              TestAnyInterleavingWithReplansMovesDiskTablesWithTheirState):
     _case.settings = FAST

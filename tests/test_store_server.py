@@ -273,21 +273,27 @@ def test_a_job_whose_server_is_killed_resumes_from_its_last_checkpoint(jobs, tmp
     assert info["resume_round"] == first
 
 
-def test_a_sparse_job_with_the_disk_store_equals_the_one_process_reference(tmp_path):
+def test_a_sparse_job_with_the_disk_store_replanned_every_step_equals_the_reference(tmp_path):
+    """The embedding's rows, Adam's state beside them, in tables of a 50 KB cache; a new plan
+    before every step moves slices (their tables) between the two servers."""
     import cluster
     from test_sparse import SPARSE_JOB
     env = {"SPARSE_WEIGHT": "weight", "SPARSE_OPTIMIZER": "adam",
            "MXNET_KVSTORE_BIGARRAY_BOUND": "1000"}
     cluster.run_single([SPARSE_JOB], env=dict(env, SPARSE_KVSTORE="local", SPARSE_SIMULATE=2,
                                               SPARSE_OUT=str(tmp_path / "ref")), timeout=300)
-    cluster.run_job([SPARSE_JOB], 2, 2, env=dict(
+    result = cluster.run_job([SPARSE_JOB], 2, 2, env=dict(
         env, SPARSE_OUT=str(tmp_path / "job"), MXPS_STORE="disk",
-        MXPS_STORE_DIR=str(tmp_path / "store"), MXPS_STORE_CACHE_MB="0.05"),
-        timeout=300).raise_for_failure()
+        MXPS_STORE_DIR=str(tmp_path / "store"), MXPS_STORE_CACHE_MB="0.05",
+        MXPS_PLAN="adaptive", MXPS_REPLAN_FORCE="1", MXPS_REPLAN_INTERVAL="1",
+        MXPS_MIN_SLICE="64", MXPS_MAX_CHUNK="300"), timeout=300)
+    result.raise_for_failure()
     want = cluster.load_weights(str(tmp_path / "ref"), 0)
     for r in range(2):
         cluster.assert_weights_close(cluster.load_weights(str(tmp_path / "job"), r), want,
                                      rtol=1e-5, what="rank %d, disk store" % r)
+    moved = [p["moved_bytes"] for p in result.job_info["replan_points"] if p["new_plan"]]
+    assert len(moved) >= 10 and min(moved) > 0, moved
 
 
 def test_store_settings_are_read_and_bad_ones_refused_by_name():
@@ -299,6 +305,9 @@ def test_store_settings_are_read_and_bad_ones_refused_by_name():
     assert (cfg.store, cfg.store_dir, cfg.store_cache_mb, cfg.store_resume) == \
         ("disk", "/x", 64.0, True)
     assert config.from_env(base).store == "memory"
+    # the disk store moves its tables with a live re-plan (roles.migration)
+    assert config.from_env(dict(base, MXPS_STORE="disk", MXPS_STORE_DIR="/x",
+                                MXPS_PLAN="adaptive")).replanning
     assert config.from_env(dict(base, MXPS_STORE="disk", MXPS_STORE_DIR="/x",
                                 MXPS_STORE_CHECKPOINT_ROUNDS="5")).store_checkpoint_rounds == 5
     for extra, match in ((dict(MXPS_STORE="ssd"), "MXPS_STORE='ssd': use memory or disk"),
@@ -312,7 +321,10 @@ def test_store_settings_are_read_and_bad_ones_refused_by_name():
                           "MXPS_STORE_CHECKPOINT_SECONDS=5 checkpoints a disk store"),
                          (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x",
                                MXPS_STORE_CHECKPOINT_SECONDS="-2"), "must be at least 0"),
-                         (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x", MXPS_PLAN="adaptive"),
-                          "MXPS_STORE=disk and live re-planning")):
+                         (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x", MXPS_PLAN="adaptive",
+                               MXPS_STORE_CHECKPOINT_ROUNDS="2"),
+                          "MXPS_STORE_CHECKPOINT_\\* and live re-planning"),
+                         (dict(MXPS_STORE="disk", MXPS_STORE_DIR="/x", MXPS_PLAN="adaptive",
+                               MXPS_STORE_RESUME="1"), "a checkpoint holds the tables")):
         with pytest.raises(config.ConfigError, match=match):
             config.from_env(dict(base, **extra))

@@ -689,10 +689,6 @@ class MXPS(KVStoreBase):
                 raise ValueError("mxps: %s of key %r: %s %s differs from the %s %s it was "
                                  "initialised with" % (what, k.name, tuple(a.shape),
                                                        np.dtype(a.dtype), k.shape, k.dtype))
-        if self._cfg.replanning:
-            raise NotImplementedError("mxps: %s of key %r: row-sparse keys with live "
-                                      "re-planning (MXPS_PLAN=adaptive) are not supported yet; "
-                                      "set MXPS_REPLAN_INTERVAL=0" % (what, k.name))
 
     def _push_rows(self, k, vals, priority):
         """A row-sparse push: each slice gets the rows' elements inside it (an empty push if

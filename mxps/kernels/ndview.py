@@ -8,6 +8,7 @@ import ctypes
 
 import numpy as np
 from mxnet.base import _LIB, check_call
+from mxnet.ndarray import array as _nd_array
 
 
 def data_pointer(nd):
@@ -41,3 +42,31 @@ def cut_state(state, lo, hi):
     if isinstance(state, (tuple, list)):
         return type(state)(cut_state(x, lo, hi) for x in state)
     return state.asnumpy().reshape(-1)[lo:hi].copy()
+
+
+def join_state(parts):
+    """The inverse of ``ndview.cut_state`` over consecutive parts."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, (tuple, list)):
+        return type(first)(join_state([p[i] for p in parts]) for i in range(len(first)))
+    return np.concatenate(parts) if len(parts) > 1 else first
+
+
+def to_numpy(state):
+    """An optimizer state (NDArrays) as numpy arrays, in the same structure."""
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return type(state)(to_numpy(s) for s in state)
+    return state.asnumpy()
+
+
+def to_nd(state):
+    """``to_numpy``'s inverse: numpy arrays as NDArrays, in the same structure."""
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return type(state)(to_nd(s) for s in state)
+    return _nd_array(state, dtype=state.dtype)

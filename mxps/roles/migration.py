@@ -11,13 +11,11 @@ import logging
 
 import numpy as np
 
-from ..kernels.ndview import cut_state
+from ..kernels.ndview import join_state
 from ..placement import plan
-from ..store.memory import MemorySlice
 from ..wire import compression, frame as wire, typed
 from ..wire.frame import MsgType
-from .optimizer_states import join_state, to_nd, update_counts
-from .rounds import Slot
+from .optimizer_states import update_counts
 from .server_requests import Out, RequestError, check_state, count_field, fields, \
     payload_bytes
 
@@ -54,8 +52,8 @@ def read_part(h, payload):
     """A MIGRATE part from a peer server (``ServerState._cut`` made it), checked field by field
     against its header before the server uses any of it."""
     what = "MIGRATE part of key %d" % h.key
-    part = fields(typed.unpack(payload), what, _PART, ("state", "count"))
-    for f in ("key", "target", "offset", "length", "applied", "count"):
+    part = fields(typed.unpack(payload), what, _PART, ("state", "count", "cols"))
+    for f in ("key", "target", "offset", "length", "applied", "count", "cols"):
         if f in part:
             count_field(part[f], "%s: %s" % (what, f))
     if (part["key"], part["offset"], part["length"]) != (h.key, h.offset, h.length):
@@ -265,10 +263,11 @@ class Migrating:
         a, b = lo - slot.offset, hi - slot.offset
         part = {"key": slot.key, "target": target, "offset": lo, "length": hi - lo,
                 "dtype": slot.dtype_code, "value": slot.store.cut(a, b),
-                "applied": slot.applied}
+                "applied": slot.applied, "cols": slot.cols}
         if self.updater is not None:
-            if slot.index in self.updater.states:
-                part["state"] = cut_state(self.updater.states[slot.index], a, b)
+            state = slot.store.cut_state(self.updater, slot.index, a, b)
+            if state is not None:
+                part["state"] = state
             count = update_counts(self.updater.optimizer).get(slot.index)
             if count is not None:
                 part["count"] = count
@@ -277,9 +276,9 @@ class Migrating:
     def _drop(self, slot):
         self.slots.pop((slot.key, slot.offset), None)
         self._unfast()
+        slot.store.release(self.updater, slot.index)
+        self._store_released(slot)
         if self.updater is not None:
-            self.updater.states.pop(slot.index, None)
-            self.updater.states_synced.pop(slot.index, None)
             update_counts(self.updater.optimizer).pop(slot.index, None)
 
     def _send_part(self, mig, dest, part):
@@ -353,18 +352,17 @@ class Migrating:
                                % (mig.version, key, sorted(applied)))
         # a copy: a received part's value is a read-only view of its frame
         value = np.concatenate([p["value"] for p in parts])
-        slot = Slot(key, want.offset, want.length, parts[0]["dtype"],
-                     MemorySlice(value, progress=self.progress))
+        states = [p.get("state") for p in parts]
+        if any(x is not None for x in states) and any(x is None for x in states):
+            raise RequestError("plan %d: some parts of key %d lack optimizer state"
+                               % (mig.version, key))
+        state = None if states[0] is None else join_state(states)
+        cols = max(p.get("cols", 0) for p in parts)
+        slot = self._moved_slot(key, want.offset, want.length, parts[0]["dtype"], cols,
+                                value, state)
         slot.applied = applied.pop()
         if self.updater is not None:
             slot.store.serve_weights(copy=self.policy.copies)
-            states = [p.get("state") for p in parts]
-            if any(x is not None for x in states):
-                if any(x is None for x in states):
-                    raise RequestError("plan %d: some parts of key %d lack optimizer state"
-                                       % (mig.version, key))
-                self.updater.states[slot.index] = to_nd(join_state(states))
-                self.updater.states_synced[slot.index] = False
             if slot.index != key:
                 self._alias(slot)
             counts = {p["count"] for p in parts if "count" in p}

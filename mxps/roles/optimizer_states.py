@@ -13,8 +13,8 @@ import pickle
 import sys
 
 import mxnet as mx
-import numpy as np
 
+from ..kernels.ndview import to_nd, to_numpy
 from ..wire import frame as wire, typed
 from ..wire.frame import MsgType
 from .server_requests import RequestError, check_state, count_field, fields, floating, \
@@ -120,32 +120,6 @@ def update_counts(opt):
     if opt._all_index_update_counts.get(0) is not d:
         opt._all_index_update_counts[0] = d
     return d
-
-
-def join_state(parts):
-    """The inverse of ``ndview.cut_state`` over consecutive parts."""
-    first = parts[0]
-    if first is None:
-        return None
-    if isinstance(first, (tuple, list)):
-        return type(first)(join_state([p[i] for p in parts]) for i in range(len(first)))
-    return np.concatenate(parts) if len(parts) > 1 else first
-
-
-def to_numpy(state):
-    if state is None:
-        return None
-    if isinstance(state, (tuple, list)):
-        return type(state)(to_numpy(s) for s in state)
-    return state.asnumpy()
-
-
-def to_nd(state):
-    if state is None:
-        return None
-    if isinstance(state, (tuple, list)):
-        return type(state)(to_nd(s) for s in state)
-    return mx.nd.array(state, dtype=state.dtype)
 
 
 class OptimizerRequests:

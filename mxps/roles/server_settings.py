@@ -44,6 +44,10 @@ class StoreSettings:
         self.left -= give
         return give
 
+    def release(self, given):
+        """A table's cache (``budget``'s answer) back: the table was removed."""
+        self.left += given
+
 
 class _NoShare:
     """A server state without a receiver (tests): nobody to tell who owes a round."""

@@ -87,6 +87,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         self.updater = None
         self.optimizer = None
         self._aliased = set()      # optimizer indices of further slices, given their key's
+        self._cache_given = {}     # (key, offset) -> the store cache a disk slice was given
         self.plan_version = 0
         self.migration = None      # the re-plan this server is moving state for
         self.early_parts = []      # parts of a plan whose PLAN message has not arrived yet
@@ -283,7 +284,9 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
             floating(h.key, arr.dtype)
         cols = max(0, int(h.iteration))
         if self.store is not None:
-            store = self._disk_slice(h, arr, cols, rule)
+            store = self._disk_slice(h.key, h.offset, h.length, arr.dtype, cols,
+                                     None if rule is not None else arr, rule=rule,
+                                     resume=self.store.resume)
         elif rule is not None:
             t0 = time.monotonic()
             store = MemorySlice(rule.span(h.offset, h.offset + h.length, progress=self.progress),
@@ -310,31 +313,36 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
             raise RequestError("%s: %s" % (what, e)) from None
         self._on_init(client, h, None, rule=rule)
 
-    def _disk_slice(self, h, arr, cols, rule=None):
-        """A new slice in the row store (MXPS_STORE=disk); with MXPS_STORE_RESUME its numbers
-        come from the store, which must hold exactly this slice (else the INIT is refused)."""
+    def _disk_slice(self, key, offset, length, dtype, cols, value, rule=None, state=None,
+                    resume=False):
+        """A new slice in the row store (MXPS_STORE=disk): its initial ``value`` or ``rule``
+        (and a moved slice's optimizer ``state``); with ``resume`` (MXPS_STORE_RESUME) its
+        numbers come from the store, which must hold exactly this slice (else the INIT is
+        refused)."""
         n_states, template = 0, None
         if self.updater is not None:
-            index = optimizer_index(h.key, h.offset)
+            index = optimizer_index(key, offset)
             try:
-                template, n_states = state_template(self.updater.optimizer, index, arr.dtype)
+                template, n_states = state_template(self.updater.optimizer, index, dtype)
             except ValueError as e:
-                raise RequestError("key %d: %s" % (h.key, e)) from None
-        name = "key%d_at%d" % (h.key, h.offset)
+                raise RequestError("key %d: %s" % (key, e)) from None
+        name = "key%d_at%d" % (key, offset)
         st = self.store
-        width, _, _, _, n_rows = disk_geometry(h.offset, h.length, cols)
-        layout = RowLayout(n_rows, width, arr.dtype, n_states)
-        if rule is not None:
-            arr = None
-        cache = max(st.budget(layout.cache_bytes(n_rows)), layout.cache_bytes(1))
+        width, _, _, _, n_rows = disk_geometry(offset, length, cols)
+        layout = RowLayout(n_rows, width, dtype, n_states)
+        given = st.budget(layout.cache_bytes(n_rows))
+        cache = max(given, layout.cache_bytes(1))
         try:
-            disk = DiskSlice(h.offset, h.length, cols, layout.dtype, n_states,
-                             None if st.resume else arr, st.directory, name, cache,
-                             resume=st.resume, rule=None if st.resume else rule,
-                             at=st.resume_at, keep=st.KEEP, template=template)
+            disk = DiskSlice(offset, length, cols, layout.dtype, n_states,
+                             None if resume else value, st.directory, name, cache,
+                             resume=resume, rule=None if resume else rule,
+                             at=st.resume_at if resume else None, keep=st.KEEP,
+                             template=template, state=state)
         except (ValueError, OSError, RuntimeError) as e:
+            st.release(given)
             raise RequestError("key %d: the disk store at %s: %s"
-                               % (h.key, st.directory, e)) from None
+                               % (key, st.directory, e)) from None
+        self._cache_given[(key, offset)] = given
         if st.resume:
             # every slice of a job's store was flushed at the same point (a clean shutdown);
             # the optimizer made one update per round, so its count resumes from there
@@ -345,12 +353,31 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
                 disk.close()
                 raise RequestError("key %d: the disk store at %s holds this slice at round %s "
                                    "but others at round %s: not one job's clean stop"
-                                   % (h.key, st.directory, done, self._resumed))
+                                   % (key, st.directory, done, self._resumed))
             if self.updater is not None:
-                index = optimizer_index(h.key, h.offset)
+                index = optimizer_index(key, offset)
                 self.updater.optimizer._index_update_count[index] = done
                 self.updater.optimizer.num_update = max(self.updater.optimizer.num_update, done)
         return disk
+
+    def _moved_slot(self, key, offset, length, dtype_code, cols, value, state):
+        """A slice a re-plan moved here (``migration``), in this server's store: ``value``
+        (a fresh array) and the optimizer ``state`` of its elements (numpy, or None)."""
+        if self.store is not None:
+            store = self._disk_slice(key, offset, length, value.dtype, cols, value,
+                                     state=state)
+        else:
+            store = MemorySlice(value, progress=self.progress)
+        slot = Slot(key, offset, length, dtype_code, store)
+        slot.cols = cols
+        if state is not None and self.updater is not None and self.store is None:
+            store.take_state(self.updater, slot.index, state)
+        return slot
+
+    def _store_released(self, slot):
+        """A slice moved away: its share of the store's cache is free again."""
+        if self.store is not None:
+            self.store.release(self._cache_given.pop((slot.key, slot.offset), 0))
 
     @property
     def round_base(self):

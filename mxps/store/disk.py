@@ -34,6 +34,15 @@ def geometry(offset, length, cols):
     return width, base, lo, hi, max(1, -(-hi // width))
 
 
+def _rule_rows(rule, base, width):
+    """A TableInit as the row store's ``init``: rows made from the rule when first touched."""
+    def init(rows):
+        idx = (base + np.asarray(rows, np.int64)[:, None] * width
+               + np.arange(width, dtype=np.int64)[None, :])
+        return rule.values(idx.reshape(-1)).reshape(len(rows), width)
+    return init
+
+
 #: rows written per batch when a new table takes its initial value
 INIT_BATCH_BYTES = 8 << 20
 
@@ -43,7 +52,7 @@ class DiskSlice:
 
     def __init__(self, offset, length, cols, dtype, n_states, value, directory=None,
                  name=None, cache_bytes=0, resume=False, rule=None, at=None, keep=1,
-                 template=None):
+                 template=None, state=None):
         self.offset, self.length = int(offset), int(length)
         self.cols, self.base, self.lo, self.hi, n_rows = geometry(self.offset, self.length,
                                                                  cols)
@@ -52,36 +61,47 @@ class DiskSlice:
         # the optimizer's state for one element (optimizer_step.state_template), or None
         # without an optimizer on the servers
         self.template = template
-        init = None
-        if rule is not None:        # a TableInit: rows made from the rule when first touched
-            base, width = self.base, self.cols
-
-            def init(rows):
-                idx = (base + np.asarray(rows, np.int64)[:, None] * width
-                       + np.arange(width, dtype=np.int64)[None, :])
-                return rule.values(idx.reshape(-1)).reshape(len(rows), width)
+        init = None if rule is None else _rule_rows(rule, self.base, self.cols)
         if directory is None:
             self.rows = MemoryRows(self.layout, init)
         else:
             self.rows = DiskRows(self.layout, directory, name, cache_bytes, resume=resume,
                                  overwrite=not resume, init=init, at=at, keep=keep)
         if value is not None:
-            self._take(np.asarray(value, self.dtype))
+            self._take(np.asarray(value, self.dtype), self._state_arrays(state))
 
-    def _take(self, value):
-        """The initial value, written through the store in batches of rows (so a table larger
-        than the cache is not held twice), then flushed clean at round 0."""
+    def _state_arrays(self, state):
+        """A moved slice's optimizer state (``cut_state``'s arrays) in the table's order, each
+        of the slice's length; None: zeros."""
+        if state is None:
+            return None
+        arrays = sparse.state_arrays(state)
+        if len(arrays) != self.layout.n_states or any(
+                np.asarray(a).size != self.length for a in arrays):
+            raise ValueError("a moved optimizer state of %d arrays of %s elements, the table "
+                             "holds %d of %d" % (len(arrays), [np.asarray(a).size
+                                                               for a in arrays],
+                                                 self.layout.n_states, self.length))
+        return [np.asarray(a, self.dtype) for a in arrays]
+
+    def _take(self, value, states=None):
+        """The initial value (and, for a moved slice, its optimizer state; else zeros),
+        written through the store in batches of rows (so a table larger than the cache is not
+        held twice), then flushed clean at round 0."""
         per = max(1, INIT_BATCH_BYTES // (self.cols * self.dtype.itemsize))
         n = self.layout.n_rows
         for a in range(0, n, per):
             b = min(n, a + per)
             block = np.zeros((b - a) * self.cols, self.dtype)
             lo, hi = max(self.lo, a * self.cols), min(self.hi, b * self.cols)
+            fresh = [np.zeros((b - a) * self.cols, self.dtype)
+                     for _ in range(self.layout.n_states)]
             if hi > lo:
                 block[lo - a * self.cols:hi - a * self.cols] = value[lo - self.lo:hi - self.lo]
-            zeros = [np.zeros((b - a, self.cols), self.dtype)] * self.layout.n_states
-            self.rows.scatter(np.arange(a, b, dtype=np.int64),
-                              block.reshape(b - a, self.cols), zeros)
+                for f, s in zip(fresh, states or ()):
+                    f[lo - a * self.cols:hi - a * self.cols] = s[lo - self.lo:hi - self.lo]
+            self.rows.scatter(np.arange(a, b, dtype=np.int64), block.reshape(b - a, self.cols),
+                              [f.reshape(b - a, self.cols) for f in fresh])
         self.rows.flush(0)
 
     @property
@@ -179,6 +199,35 @@ class DiskSlice:
         rows = np.unique(row)
         flat = np.searchsorted(rows, row) * self.cols + t % self.cols
         return rows, flat
+
+    # -- what a move does (roles.migration; the same calls as MemorySlice's) ------------------
+    def _span(self, lo, hi):
+        """The table rows holding slice elements [lo, hi) and where those elements start in
+        their concatenation."""
+        first = (self.lo + lo) // self.cols
+        last = -(-(self.lo + hi) // self.cols)
+        return np.arange(first, last, dtype=np.int64), self.lo + lo - first * self.cols
+
+    def cut(self, lo, hi):
+        """A copy of the served elements [lo, hi) (slice coordinates)."""
+        rows, at = self._span(lo, hi)
+        return self.rows.read(rows).reshape(-1)[at:at + hi - lo].copy()
+
+    def cut_state(self, updater, index, lo, hi):
+        """Copies of the optimizer state of elements [lo, hi), in the optimizer's structure
+        (``template``); None without an optimizer or state (the table keeps it beside the rows,
+        so ``updater`` and ``index`` are not needed)."""
+        if self.template is None or not self.layout.n_states:
+            return None
+        rows, at = self._span(lo, hi)
+        _, states = self.rows.gather(rows)
+        return sparse.like_state(self.template, [s.reshape(-1)[at:at + hi - lo].copy()
+                                                 for s in states])
+
+    def release(self, updater, index):
+        """The slice moved away: its table is closed and its files deleted."""
+        remove = getattr(self.rows, "remove", None)       # MemoryRows: nothing on disk
+        (remove or self.rows.close)()
 
     def flush(self, step_no):
         self.rows.flush(step_no)

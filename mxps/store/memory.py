@@ -2,7 +2,7 @@
 import mxnet as mx
 import numpy as np
 
-from ..kernels.ndview import cut_state, numpy_view
+from ..kernels.ndview import cut_state, numpy_view, to_nd
 from . import row_sets as sparse
 from .optimizer_step import step
 
@@ -127,9 +127,31 @@ class MemorySlice:
         """The served elements of ``rows`` (a ``sparse.RowSet``: a PULL_ROWS)."""
         return self.snapshot[rows.positions()]
 
+    # -- what a move does (roles.migration; the same calls as DiskSlice's) --------------------
     def cut(self, lo, hi):
         """A copy of the served elements [lo, hi) (slice coordinates)."""
         return np.array(self.snapshot[lo:hi])
+
+    @staticmethod
+    def cut_state(updater, index, lo, hi):
+        """Copies of the optimizer state of elements [lo, hi) (None: no state yet)."""
+        if updater is None or index not in updater.states:
+            return None
+        return cut_state(updater.states[index], lo, hi)
+
+    @staticmethod
+    def take_state(updater, index, state):
+        """A moved slice's optimizer state (numpy arrays as ``cut_state`` made them) becomes
+        the updater's state of ``index``."""
+        updater.states[index] = to_nd(state)
+        updater.states_synced[index] = False
+
+    @staticmethod
+    def release(updater, index):
+        """The slice moved away: its optimizer state goes with it."""
+        if updater is not None:
+            updater.states.pop(index, None)
+            updater.states_synced.pop(index, None)
 
 
 def _put_state(state, saved, lo, hi):

@@ -679,6 +679,13 @@ class DiskRows(CachedRows):
             self._fd = None
         self._drop_cache()
 
+    def remove(self):
+        """Close the table and delete its files (a slice that moved to another server)."""
+        self.close()
+        for path in self._own_files():
+            if os.path.exists(path):
+                os.unlink(path)
+
     def __del__(self):
         # the descriptor only, as the system does for a process that stops: nothing written
         if getattr(self, "_fd", None) is not None:
