@@ -568,6 +568,58 @@ def test_overlapped_pushes_for_a_slice_still_being_built_are_acked_and_summed_on
     np.testing.assert_allclose(pulled, alone.slots[(5, 0)].store.snapshot[3:], rtol=1e-6)
 
 
+def row_request(type_, w, it, x, ids, values=None, version=0):
+    """A PUSH_ROWS (with ``values``) or PULL_ROWS of rows ``ids`` (2 elements each) of key 5
+    to the slice ``x``."""
+    body = {"cols": 2, "ids": np.asarray(ids, np.int64)}
+    if values is not None:
+        body["values"] = np.asarray(values, np.float32)
+    return Header(type_, key=5, sender=w, iteration=it, plan_version=version, offset=x.offset,
+                  length=x.length, request_id=next(_ids),
+                  dtype=F32 if values is not None else NO_DTYPE), typed.pack(body)
+
+
+def test_overlapped_row_requests_for_a_slice_still_being_built_wait_for_it():
+    # the same with row-sparse requests: pushes acknowledged at once and summed once the slice
+    # is built, the pull of rows answered then, as one server that kept everything answers
+    rows = [[2, 3], [3]]                               # elements 4..7, 6..7: inside [3, 8)
+    vals = [np.array([1.0, -2.0, 0.5, 3.0]), np.array([-1.0, 4.0])]
+    s0, s1 = adam_pair(VALUE)
+    push_rounds([(s0, OLD[5][0])], GRADS[:2])
+    alone = adam_pair(VALUE)[0]
+    push_rounds([(alone, OLD[5][0])], GRADS[:2])
+    for w in range(2):
+        only(alone.on_request(worker(w), *row_request(MsgType.PUSH_ROWS, w, 3, OLD[5][0],
+                                                      rows[w], vals[w])), MsgType.ACK)
+    want = value_of(only(alone.on_request(worker(0), *row_request(
+        MsgType.PULL_ROWS, 0, 3, OLD[5][0], [1, 2, 3]))))
+    net = Pair([s0, s1])
+    net.plan(1, 1, OLD, NEW)                          # server 1 waits for a part
+    x = NEW[5][1]
+    for w in range(2):
+        only(s1.on_request(worker(w), *row_request(MsgType.PUSH_ROWS, w, 3, x, rows[w],
+                                                   vals[w], version=1)), MsgType.ACK)
+    assert not s1.on_request(worker(0), *row_request(MsgType.PULL_ROWS, 0, 3, x, [1, 2, 3],
+                                                     version=1))
+    assert (5, 3) not in s1.slots and len(s1.deferred[(5, 3)]) == 3
+    net.plan(0, 1, OLD, NEW)
+    outs = []
+    while net.queue:
+        item = net.queue.pop(0)
+        if item[0] == "request":
+            _, to, frm, h, payload = item
+            got = net.servers[to].on_request(b"peer%d" % frm, h, payload)
+        else:
+            _, to, frm, h = item
+            got = net.servers[to].on_peer_reply(frm, h)
+        outs += [o for o in got if o.to == Out.CLIENT and not o.dest.startswith(b"peer")]
+        net.take(to, [o for o in got if not (o.to == Out.CLIENT and
+                                             not o.dest.startswith(b"peer"))])
+    assert not s1.deferred and s1.slots[(5, 3)].applied == 3
+    # row 1 holds elements 2 and 3: the slice at 3 answers element 3 only
+    np.testing.assert_allclose(value_of(only(outs, MsgType.DATA)), want[1:], rtol=1e-6)
+
+
 def test_a_request_of_the_next_plan_waits_for_its_plan_and_is_served_by_it():
     s0 = new_server(optimizer=sgd(), keys={5: VALUE})
     h, v = request(MsgType.PUSH, 5, w=0, it=1, value=np.ones(8), version=1)

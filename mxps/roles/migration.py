@@ -45,6 +45,9 @@ class _Migration:
         self.done = False
 
 
+#: row-sparse requests (roles.row_requests): deferred as their typed bodies
+_ROWS = (MsgType.PUSH_ROWS, MsgType.PULL_ROWS)
+
 _PART = ("key", "target", "offset", "length", "dtype", "value", "applied")
 
 
@@ -167,15 +170,18 @@ class Migrating:
                                                       self.rank, inc.slice.offset,
                                                       inc.slice.stop))
         grad = None
-        if h.type != MsgType.PULL:
+        if h.type in (MsgType.PUSH, MsgType.PUSHPULL):
             grad = np.array(compression.push_values(h, payload), copy=True)
-            if h.type == MsgType.PUSH:
-                self._reply(client, h, MsgType.ACK, length=0)
+        elif h.type in _ROWS:              # its typed body, read when the slice is built
+            grad = bytes(memoryview(payload)) if payload is not None else b""
+        if h.type in (MsgType.PUSH, MsgType.PUSH_ROWS):
+            self._reply(client, h, MsgType.ACK, length=0)
         self.deferred.setdefault(target, []).append((client, h, grad))
         if self._trace is not None:
             self._trace.append(("request_deferred", self._now(), h.iteration, h.key,
                                 h.offset, h.length, h.sender, 0 if grad is None else
-                                grad.nbytes, self.plan_version, h.request_id))
+                                memoryview(grad).nbytes, self.plan_version,
+                                h.request_id))
         return True
 
     def migration_open(self):
@@ -191,6 +197,12 @@ class Migrating:
         slot = self.slots[target]
         for client, h, grad in waiting:
             try:
+                if h.type == MsgType.PUSH_ROWS:     # acknowledged when it arrived
+                    self._take_rows(h, grad)
+                    continue
+                if h.type == MsgType.PULL_ROWS:
+                    self._on_pull_rows(client, h, grad)
+                    continue
                 if h.dtype != slot.dtype_code and grad is not None:
                     raise RequestError("key %d: pushed dtype %s differs from the slice's %s"
                                        % (h.key, wire.dtype_of(h.dtype),

@@ -30,6 +30,12 @@ class RowRequests:
 
     def _on_push_rows(self, client, h, payload):
         """A row-sparse push (docs/SPARSE.md): the rows' elements inside this slice."""
+        self._take_rows(h, payload)
+        self._reply(client, h, MsgType.ACK, length=0)
+        self._answer_waiting(self._slot_for(h))
+
+    def _take_rows(self, h, payload):
+        """A row-sparse push summed into its round (acknowledged by the caller)."""
         slot = self._slot_for(h)
         if h.dtype != slot.dtype_code:
             raise RequestError("key %d: pushed dtype %s differs from the initialised dtype %s"
@@ -47,8 +53,6 @@ class RowRequests:
         grad = (rows, sparse.padded(rows, np.array(values, dtype=wire.dtype_of(
             slot.dtype_code))))
         self._account(slot, h, grad)
-        self._reply(client, h, MsgType.ACK, length=0)
-        self._answer_waiting(slot)
 
     def _on_pull_rows(self, client, h, payload):
         """A pull of some rows: answered, like a pull, once its round is complete."""

@@ -239,7 +239,8 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
                     offset=slot.offset, length=slot.length)
 
     # -- data plane --------------------------------------------------------------------------
-    _DATA = frozenset((MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL))
+    _DATA = frozenset((MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL, MsgType.PUSH_ROWS,
+                       MsgType.PULL_ROWS))
 
     def _slot_for(self, h):
         slot = self.slots.get((h.key, h.offset))
