@@ -425,10 +425,6 @@ def from_env(env=None, mode=None):
     )
     if cfg.root_port > 65535:
         raise ConfigError("DMLC_PS_ROOT_PORT=%d is not a TCP port" % cfg.root_port)
-    if cfg.push == "ltp" and cfg.replan_overlap:
-        raise ConfigError("MXPS_PUSH=ltp and MXPS_REPLAN_OVERLAP=1 do not go together: LTP "
-                          "packets of a plan whose state still moves would be dropped; use the "
-                          "quiescent re-plan (MXPS_REPLAN_OVERLAP=0)")
     if cfg.replanning and (cfg.store_resume or cfg.store_checkpoint_rounds
                            or cfg.store_checkpoint_seconds):
         raise ConfigError("MXPS_STORE_RESUME / MXPS_STORE_CHECKPOINT_* and live re-planning "

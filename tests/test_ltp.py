@@ -513,11 +513,12 @@ def test_reordered_and_duplicated_packets_give_bit_identical_results(fill):
 
 
 def bad_packet(kind, grad):
-    """A packet of round 2 (or 1, for ``late``) that fits no open round, of kind ``kind``."""
+    """A packet of round 2 (or 1, for ``late``) that fits no open round, of kind ``kind``
+    (``plan``: of a plan after the next, which no server waits for)."""
     part = grad[:EPP]
     common = dict(w=0, it=2, key=KEY, length=N, seq=0, count=EPP, payload=part.tobytes())
     changes = {
-        "late": dict(it=1), "plan": dict(version=1), "slice_key": dict(key=KEY + 1),
+        "late": dict(it=1), "plan": dict(version=2), "slice_key": dict(key=KEY + 1),
         "slice_offset": dict(offset=EPP), "slice_length": dict(length=N + 1),
         "dtype": dict(dtype=dtype_code(np.float64), payload=part.astype(np.float64).tobytes()),
         "cut_seq": dict(seq=NP), "cut_count": dict(count=EPP - 1, payload=part[1:].tobytes()),
@@ -544,6 +545,27 @@ def test_a_packet_that_fits_no_open_round_is_dropped_counted_and_changes_nothing
     assert dict(hit.ltp_stats) == dict(clean.ltp_stats)
     assert pull(hit, 2).tobytes() == pull(clean, 2).tobytes()
     assert momentum(hit).tobytes() == momentum(clean).tobytes()
+
+
+def test_packets_of_the_next_plan_wait_for_its_plan_and_are_taken_when_it_comes():
+    # overlapped re-plans: a worker sends by plan 1 before the server has PLAN 1
+    grads = [np.random.default_rng(w).standard_normal(N).astype(np.float32) for w in (0, 1)]
+    clean, early = (ltp_server(2, SGD) for _ in range(2))
+    table = json.dumps({"version": 1, "old": {str(KEY): [[0, 0, N]]},
+                        "new": {str(KEY): [[0, 0, N]]}}).encode()
+    clean.on_scheduler(Header(MsgType.PLAN), table)
+    for s in (clean, early):
+        pushes = [push_packets(g, w, 1, version=1) for w, g in enumerate(grads)]
+        feed(s, [p for data, end in pushes for p in (*data.values(), end)], Clock())
+    assert early.slots[(KEY, 0)].applied == 0 and not early.slots[(KEY, 0)].rounds
+    assert early.ltp_stats["held"] == 2 * (NP + 1)
+    early.on_scheduler(Header(MsgType.PLAN), table)
+    assert not early.early_packets and early._held_bytes == 0
+    assert early.slots[(KEY, 0)].applied == clean.slots[(KEY, 0)].applied == 1
+    assert not any(k.startswith("drop_") for k in early.ltp_stats)
+    got, want = (value_of(only(send(s, MsgType.PULL, KEY, it=1, length=N, version=1)))
+                 for s in (early, clean))
+    assert got.tobytes() == want.tobytes()
 
 
 def test_an_end_repeated_after_its_round_closed_is_counted_but_not_a_drop():

@@ -27,6 +27,8 @@ CASES = [
      dict(update_on_kvstore=False, **DISK)),
     ("ltp+disk_store", dict(update_on_kvstore=True),
      dict(update_on_kvstore=True, **LTP, **DISK)),
+    ("overlapped_moves+ltp", dict(update_on_kvstore=True),
+     dict(update_on_kvstore=True, MXPS_REPLAN_OVERLAP=1, **FORCED, **LTP)),
     ("replan_every_step+disk_store", dict(update_on_kvstore=True),
      dict(update_on_kvstore=True, **FORCED, **DISK)),
 ]

@@ -95,10 +95,10 @@ class LtpIntake:
         if st is None or not self.sync:
             raise _Drop("not_ltp")
         slot = self.slots.get((f.key, f.offset))
-        if slot is None or slot.length != f.length:
-            raise _Drop("slice")
-        if f.plan_version != self.plan_version:
-            raise _Drop("plan")
+        if slot is None or slot.length != f.length or f.plan_version != self.plan_version:
+            if self._hold_packet(f, payload, now):      # migration: its slice or plan comes
+                return
+            raise _Drop("slice" if slot is None or slot.length != f.length else "plan")
         if f.dtype != slot.dtype_code:
             raise _Drop("dtype")
         r = f.round
@@ -158,6 +158,18 @@ class LtpIntake:
         self._ltp_check(slot, r, rnd, now)
         self._complete_rounds(slot)
         self._answer_waiting(slot)
+
+    def _take_held(self, packets):
+        """Packets held for a slice that is now built or a plan that is now here
+        (``Migrating._hold_packet``), taken in arrival order as if they came now: a round's
+        deadline counts from when its slice could take packets."""
+        for f, payload, at in packets:
+            self._held_bytes -= payload.nbytes
+            now = max(at, self._ltp_now)
+            try:
+                self._on_packet(f, payload, now)
+            except _Drop as e:
+                self.ltp_stats["drop_" + e.args[0]] += 1
 
     def _ltp_check(self, slot, r, rnd, now):
         """Apply the Early Close rule to round ``r`` of ``slot``; close it, or schedule a look."""

@@ -184,13 +184,42 @@ class Migrating:
                                 h.request_id))
         return True
 
+    def _hold_packet(self, f, payload, now):
+        """An LTP packet (``ltp_packet.Fields``) of a slice of plan v still being built, or of
+        plan v + 1 before its PLAN is here (overlapped re-plans: the workers send by plan v as
+        soon as the scheduler sent it): kept, a copy, and taken when the slice is built or the
+        PLAN comes (``LtpIntake._take_held``), as pushes by TCP wait (``_defer``).  True if
+        kept; a packet beyond ``EARLY_BYTES`` held is not (the caller drops it: LTP tolerates
+        its loss)."""
+        mig = self.migration_open()
+        inc = mig.incoming.get((f.key, f.offset)) if mig is not None and \
+            f.plan_version == mig.version else None
+        early = f.plan_version == self.plan_version + 1
+        if inc is None and not early or inc is not None and inc.slice.length != f.length:
+            return False
+        n = payload.nbytes
+        if self._held_bytes + n > self.EARLY_BYTES:
+            return False
+        self._held_bytes += n
+        held = (f, memoryview(bytes(payload)), now)
+        if early:
+            self.early_packets.append(held)
+        else:
+            self.held_packets.setdefault((f.key, f.offset), []).append(held)
+        self.ltp_stats["held"] += 1
+        return True
+
     def migration_open(self):
         """The re-plan whose slices are still being built here, or None."""
         mig = self.migration
         return mig if mig is not None and mig.incoming else None
 
     def _replay(self, target):
-        """The slice ``target`` is built: run the requests that waited for it, in order."""
+        """The slice ``target`` is built: run the requests (and take the LTP packets) that
+        waited for it, in order."""
+        packets = self.held_packets.pop(target, ())
+        if packets:
+            self._take_held(packets)
         waiting = self.deferred.pop(target, ())
         if not waiting:
             return

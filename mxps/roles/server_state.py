@@ -97,6 +97,10 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         self.early_requests = []
         self._early_bytes = 0
         self.deferred = {}
+        # ... and LTP packets of either (target -> [(fields, payload copy, arrival)])
+        self.held_packets = {}
+        self.early_packets = []
+        self._held_bytes = 0
         self._out = []             # what the message being handled causes
         # MXPS_PUSH=ltp (docs/LTP.md): packets of the loss-tolerant push; LtpSettings or None
         self.ltp = ltp
@@ -195,6 +199,10 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         self._early_bytes = 0
         for client, h, payload in early:      # in arrival order, as if they came now
             out += self.on_request(client, h, payload)
+        packets, self.early_packets = self.early_packets, []
+        if packets:
+            self._take_held(packets)
+            out += self._flush()
         return out
 
     def on_peer_reply(self, server_rank, h):
