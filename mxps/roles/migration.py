@@ -402,6 +402,7 @@ class Migrating:
         slot = self._moved_slot(key, want.offset, want.length, parts[0]["dtype"], cols,
                                 value, state)
         slot.applied = applied.pop()
+        self.policy.moved(slot)
         if self.updater is not None:
             slot.store.serve_weights(copy=self.policy.copies)
             if slot.index != key:

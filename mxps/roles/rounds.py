@@ -101,6 +101,9 @@ class Bsp:
     def answered(self, slot, h):
         pass
 
+    def moved(self, slot):
+        pass
+
 
 class Async(Bsp):
     """dist_async: every push is a round of its own, applied at once; pulls never wait."""
@@ -165,8 +168,16 @@ class Wsp:
             active = [w for w in range(self.num_workers) if w not in self.gone]
             times = ws.intervals()
             k = wsp_rules.choose_k([times[w] for w in active])
+        if wsp_rules.before_point(r, self.settings.replan_every):
+            return all(ws.latest[w] >= r for w in range(self.num_workers)
+                       if w not in self.gone)
         return wsp_rules.may_complete(r, rnd.senders, ws.base, min(k, self.num_workers),
                                       self.settings.staleness, self.gone)
+
+    def moved(self, slot):
+        """A slice a re-plan built here (``migration``), at a point where every worker is at
+        round ``slot.applied``."""
+        slot.wsp = wsp_rules.SliceWsp.settled(self.num_workers, slot.applied)
 
     def completing(self, rnd):
         """A round of n gradients is scaled to the expected sum of a full one."""

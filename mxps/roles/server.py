@@ -121,7 +121,8 @@ class Server:
                      self.rank, host, self.ltp.port, self.ltp.budget, self.ltp.mtu)
         wsp = None
         if self.cfg.mode == "wsp":      # docs/WSP.md
-            wsp = WspSettings(self.cfg.wsp_k, self.cfg.wsp_staleness, time.monotonic)
+            wsp = WspSettings(self.cfg.wsp_k, self.cfg.wsp_staleness, time.monotonic,
+                              self.cfg.replan_interval if self.cfg.replanning else 0)
         store = None
         if self.cfg.store == "disk":     # docs/STORE.md: one directory per server
             if (self.cfg.store_checkpoint_rounds or self.cfg.store_checkpoint_seconds) and \

@@ -5,15 +5,18 @@ from ..ltp import rounds as ltp_rounds
 
 class WspSettings:
     """What a server's WSP rounds follow (docs/WSP.md): ``k`` workers per round (0: chosen from
-    the measured push intervals, ``wsp.choose_k``), the staleness bound ``staleness``, and the
-    clock push times are read from (needed for k = 0)."""
+    the measured push intervals, ``wsp.choose_k``), the staleness bound ``staleness``, the
+    clock push times are read from (needed for k = 0), and ``replan_every``, the workers'
+    MXPS_REPLAN_INTERVAL under live re-planning (0: none): the round before each re-plan point
+    waits for every worker's own push (``wsp.before_point``)."""
 
-    def __init__(self, k=0, staleness=2, clock=None):
+    def __init__(self, k=0, staleness=2, clock=None, replan_every=0):
         if k == 0 and clock is None:
             raise ValueError("WSP with k chosen from push intervals needs a clock")
         self.k = k
         self.staleness = staleness
         self.clock = clock
+        self.replan_every = int(replan_every)
 
 
 class StoreSettings:

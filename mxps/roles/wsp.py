@@ -64,6 +64,15 @@ def may_complete(r, contributors, base, k, staleness, gone=()):
     return all(r - base[w] <= staleness for w in active if w not in contributors)
 
 
+def before_point(r, replan_every):
+    """Whether round ``r`` is the last before a re-plan point (workers stop before rounds
+    1 + m * MXPS_REPLAN_INTERVAL, m >= 1; docs/REPLAN.md).  Such a round waits for every
+    worker's own push: at the point every round before it is then complete and none after it
+    has begun, so the slices can move (a push folded into a later round would leave that round
+    partly pushed, and parts of one new slice could disagree on who is in it)."""
+    return replan_every > 0 and r > 0 and r % replan_every == 0
+
+
 def target_round(applied, label):
     """The round a push labelled ``label`` (its worker's push count) goes into: its own round if
     that is still open, else the first open one (``applied`` rounds are complete)."""
@@ -101,6 +110,15 @@ class SliceWsp:
             self.times[w].append(max(0.0, now - self.sent_at[w]))
             self.sent_at[w] = None
         return r
+
+    @classmethod
+    def settled(cls, workers, applied):
+        """The bookkeeping of a slice a re-plan moved (built at a point where every worker has
+        pushed and received every round up to ``applied``); response times start afresh."""
+        ws = cls(workers)
+        ws.latest = [applied] * workers
+        ws.base = [applied] * workers
+        return ws
 
     def pull_round(self, w, label):
         """The round a pull after ``w``'s push ``label`` waits for: round ``label`` (even if the
