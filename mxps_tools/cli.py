@@ -45,6 +45,8 @@ import signal
 import subprocess
 import sys
 
+from .plot import require_matplotlib
+
 
 def mxnet_launcher():
     """Path of MXNet's launch.py, found without importing mxnet."""
@@ -93,17 +95,6 @@ def cmd_launch(args):
             except subprocess.TimeoutExpired:
                 proc.kill()
             return 130
-
-
-def require_matplotlib(what):
-    """Exit with a clear message (status 2) if matplotlib, which ``what`` needs, is missing.
-
-    Checked without importing it, before a command does any work: a bench that runs for
-    minutes must not fail only when it draws its plots."""
-    if importlib.util.find_spec("matplotlib") is None:
-        sys.stderr.write("mxps: %s needs matplotlib, which is not installed: pip install "
-                         "'mxps[examples]' (or pip install matplotlib)\n" % what)
-        raise SystemExit(2)
 
 
 def cmd_plot(parser, args):

@@ -47,7 +47,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union

@@ -15,8 +15,21 @@ completions, re-plan points and migrations) or print its per-round, per-server t
 (``trace_summary``).  The trace files are read as JSON here (format: mxps.placement.trace,
 docs/TRACE.md), never through the runtime, which would import MXNet.
 """
+import importlib.util
 import json
 import os
+import sys
+
+
+def require_matplotlib(what):
+    """Exit with a clear message (status 2) if matplotlib, which ``what`` needs, is missing.
+
+    Checked without importing it, before a command does any work: a bench that runs for
+    minutes must not fail only when it draws its plots."""
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.stderr.write("mxps: %s needs matplotlib, which is not installed: pip install "
+                         "'mxps[examples]' (or pip install matplotlib)\n" % what)
+        raise SystemExit(2)
 
 
 def load(paths):

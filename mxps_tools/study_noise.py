@@ -421,7 +421,7 @@ def check(p: argparse.ArgumentParser, args) -> Settings:
     if not 0 < args.target <= 1:
         p.error("--target is a test accuracy in (0, 1], got %s" % args.target)
     if not args.no_plot:
-        from .cli import require_matplotlib
+        from .plot import require_matplotlib
         require_matplotlib("mxps study noise (without --no-plot)")
     return Settings(args.servers, args.epochs, args.batch, args.lr, Settings.momentum,
                     args.target, args.pair_seed, args.digits_model, args.data_root, args.limit,

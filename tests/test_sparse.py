@@ -230,23 +230,24 @@ SPARSE_JOB = __import__("os").path.join(__import__("os").path.dirname(__file__),
 @pytest.mark.parametrize("weight,optimizer,push", [("grad", "sgd", "tcp"),
                                                     ("weight", "adam", "tcp"),
                                                     ("grad", "sgd", "ltp"),
-                                                    ("weight", "adam", "replan_every_step")])
+                                                    ("weight", "adam", "overlapped_moves")])
 def test_a_sparse_model_trained_by_two_workers_equals_the_one_process_reference(
         tmp_path, weight, optimizer, push):
     """2 workers x 2 servers (the embedding's rows cut across both servers, so rows straddle
     the cut), 12 steps: the final weights of every worker equal the reference's to 1e-5 and
     the loss went down.  Under LTP (every slice big enough for it) the row pushes go by TCP
-    and the dense ones by LTP.  Re-planned every step (forced, slices of 64 elements or more),
-    every slice's rows, Adam's state and update count move between the servers."""
+    and the dense ones by LTP.  Re-planned every step (forced, slices of 64 elements or more)
+    with overlapped moves, every slice's rows, Adam's state and update count move between the
+    servers while the workers already push and pull rows by the new plan."""
     import cluster
     env = {"SPARSE_WEIGHT": weight, "SPARSE_OPTIMIZER": optimizer,
            "MXNET_KVSTORE_BIGARRAY_BOUND": "1000"}
     if push == "ltp":
         env.update(MXPS_PUSH="ltp", MXPS_LTP_MIN_BYTES="1")
-    replanned = push == "replan_every_step"
+    replanned = push == "overlapped_moves"
     if replanned:
         env.update(MXPS_PLAN="adaptive", MXPS_REPLAN_FORCE="1", MXPS_REPLAN_INTERVAL="1",
-                   MXPS_MIN_SLICE="64", MXPS_MAX_CHUNK="300")
+                   MXPS_MIN_SLICE="64", MXPS_MAX_CHUNK="300", MXPS_REPLAN_OVERLAP="1")
     ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"
     cluster.run_single([SPARSE_JOB], env=dict(env, SPARSE_KVSTORE="local", SPARSE_SIMULATE=2,
                                               SPARSE_OUT=str(ref_dir)), timeout=300)
