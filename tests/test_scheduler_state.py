@@ -377,13 +377,17 @@ def test_a_new_plan_goes_to_the_servers_and_workers_wait_for_every_ack():
     assert headers(step, MsgType.PLAN)[b"s1"].plan_version == 1
     # a stale ack (another version) and one server's ack release nobody
     assert not job.send(b"s1", MsgType.PLAN, {"version": 0}).sends
-    assert not job.send(b"s1", MsgType.PLAN, {"version": 1}).sends
-    step = job.send(b"s0", MsgType.PLAN, {"version": 1})
+    assert not job.send(b"s1", MsgType.PLAN, {"version": 1, "moved_bytes": 100}).sends
+    step = job.send(b"s0", MsgType.PLAN, {"version": 1, "moved_bytes": 60})
     answers = sent(step, MsgType.REPLAN)
     assert sorted(answers) == WORKERS
     a = answers[b"w1"][0]
     assert a["version"] == 1 and table_from_json(a["table"]) == new
-    assert a["moved_bytes"] == adaptive.moved_bytes(OLD, new, 4) > 0
+    # what the servers sent (values and state), and per weight that changed server, the
+    # copies the planner now charges a move with
+    assert a["moved_bytes"] == 160
+    planned = adaptive.moved_bytes(OLD, new, 4)
+    assert planned > 0 and job.state.replanner.copies == pytest.approx(160 / planned)
     assert headers(step, MsgType.REPLAN)[b"w0"].plan_version == 1
 
 
@@ -524,13 +528,13 @@ def test_the_facts_name_every_node_by_rank_after_the_rendezvous_and_the_points_a
     job.send(b"w1", MsgType.REPLAN, report(2, force=2, lead=True))
     job.send(b"w0", MsgType.REPLAN, report(3, force=2), after=3.0)
     job.send(b"w1", MsgType.REPLAN, report(3, force=2, lead=True))
-    job.send(b"s0", MsgType.PLAN, {"version": 1})
-    job.send(b"s1", MsgType.PLAN, {"version": 1}, after=0.5)
+    job.send(b"s0", MsgType.PLAN, {"version": 1, "moved_bytes": 24})
+    job.send(b"s1", MsgType.PLAN, {"version": 1, "moved_bytes": 40}, after=0.5)
     finished(job)
     for ident in (b"s0", b"s1", b"w0"):
         job.send(ident, MsgType.BYE)
     step = job.send(b"w1", MsgType.BYE)
-    moved = adaptive.moved_bytes(OLD, adaptive.forced_table(KEYS, 2, 1, min_slice=64), 4)
+    moved = 24 + 40                       # what the servers sent
     assert step.facts["replan_points"] == [
         {"round": 2, "kind": "full", "plan_version": 0, "new_plan": False, "full_next": True,
          "moved_bytes": 0, "at": 1.0},

@@ -490,7 +490,7 @@ def test_migration_moves_value_optimizer_state_and_update_count_to_the_new_owner
     net.plan(1, 1, OLD, NEW)          # server 1 expects one part from server 0
     net.plan(0, 1, OLD, NEW)
     net.route()
-    assert net.reports == {0: [{"version": 1, "moved_bytes": 5 * 4}],
+    assert net.reports == {0: [{"version": 1, "moved_bytes": 5 * 4 * 3}],   # value, mean, var
                            1: [{"version": 1, "moved_bytes": 0}]}
     kept, moved = s0.slots[(5, 0)], s1.slots[(5, 3)]
     np.testing.assert_array_equal(kept.store.snapshot, before_value[:3])
@@ -527,7 +527,7 @@ def test_a_part_that_arrives_before_its_plan_is_used_when_the_plan_comes():
     assert s1.early_parts and (5, 3) not in s1.slots and net.reports[1] == []
     assert net.queue[0][0] == "reply" and net.queue[0][3].type == MsgType.ACK
     net.route()                                       # server 0 gets its ACK: done
-    assert net.reports[0] == [{"version": 1, "moved_bytes": 20}]
+    assert net.reports[0] == [{"version": 1, "moved_bytes": 5 * 4 * 3}]   # value, mean, var
     net.plan(1, 1, OLD, NEW)
     assert net.reports[1] == [{"version": 1, "moved_bytes": 0}] and not s1.early_parts
     np.testing.assert_array_equal(s1.slots[(5, 3)].store.snapshot, before[3:])

@@ -209,9 +209,15 @@ class Replanner:
     ``decide`` proposes ``split_table`` with the estimated rates and adopts it when the
     modelled gain per step exceeds ``min_gain`` of the current plan's makespan and, over
     ``horizon`` steps, the time to move the state (``replan_gain``: the bytes that change
-    server, times 3 copies for weights and optimizer state, over half the slowest rate: a
-    server's rate counts both directions).
+    server, times the copies a move sends per weight, over half the slowest rate: a server's
+    rate counts both directions).  The copies are measured (``moved``: what the servers sent
+    for the last move over the bytes that changed server): 1 for the weights, one more per
+    optimizer state array (1 with the update on the workers); 3 until the first move
+    (weights and Adam's two states, the most there is).
     """
+
+    #: copies per weight a move sends, until one was measured
+    COPIES = 3.0
 
     MIN_BYTES = 64 * 1024
 
@@ -225,6 +231,13 @@ class Replanner:
         self.rates = list(rates) if rates else None
         self.window = collections.deque(maxlen=window)
         self.last = None        # (makespan before, after, move cost, adopted) of the last decide
+        self.copies = self.COPIES
+
+    def moved(self, planned, sent):
+        """A move is in place: ``planned`` bytes of weights changed server, the servers sent
+        ``sent`` bytes for them (values and optimizer state)."""
+        if planned > 0:
+            self.copies = sent / float(planned)
 
     def observe(self, reports):
         per_round = {}
@@ -331,7 +344,7 @@ class Replanner:
             before = makespan(old, dict(keys), b)
         except PlanError:
             return None         # the old table does not place these keys: keep it
-        gain, cost = replan_gain(old, proposal, b, 2.0 / min(self.rates), 4, 3)
+        gain, cost = replan_gain(old, proposal, b, 2.0 / min(self.rates), 4, self.copies)
         ok = gain > min_gain * before and gain * horizon > cost
         return proposal, ok, before, gain, cost
 

@@ -75,6 +75,17 @@ def read_part(h, payload):
     return part
 
 
+def part_bytes(part):
+    """The numbers a part carries: its value (if any) and optimizer state."""
+    def size(x):
+        if x is None:
+            return 0
+        if isinstance(x, (tuple, list)):
+            return sum(size(y) for y in x)
+        return x.nbytes
+    return size(part.get("value")) + size(part.get("state"))
+
+
 class PlanError(RequestError):
     """A PLAN whose body is not a plan; ``version`` is its version when that could be read."""
 
@@ -325,20 +336,20 @@ class Migrating:
     def _send_part(self, mig, dest, part):
         mig.next_id += 1
         mig.outgoing[mig.next_id] = dest
-        mig.moved += part["value"].nbytes
+        mig.moved += part_bytes(part)
         h = wire.Header(MsgType.MIGRATE, key=part["key"], sender=self.rank,
                         plan_version=mig.version, offset=part["offset"],
                         length=part["length"], request_id=mig.next_id)
         if self._trace is not None:
             self._plan_row("part_sent", mig.version, h.key, h.offset, h.length, dest,
-                           part["value"].nbytes, mig.next_id)
+                           part_bytes(part), mig.next_id)
         self._out.append(Out(Out.PEER, dest, h, typed.pack(part)))
 
     def _on_migrate(self, client, h, payload):
         part = read_part(h, payload)
         if self._trace is not None:
             self._plan_row("part_received", h.plan_version, h.key, h.offset, h.length,
-                           h.sender, part["value"].nbytes, h.request_id)
+                           h.sender, part_bytes(part), h.request_id)
         mig = self.migration
         if mig is not None and mig.version == h.plan_version:
             self._reply(client, h, MsgType.ACK, length=0)

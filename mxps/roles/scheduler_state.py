@@ -665,8 +665,11 @@ class SchedulerState:
 
     def _send_plan(self, round_, old, table, full_next):
         self.plan_version += 1
+        # "planned": the weights' bytes that change server; "moved": what the servers report
+        # they sent for them (values and optimizer state), known once all are in place
+        planned = adaptive.moved_bytes(old, table, 4)
         self.pending_plan = {"version": self.plan_version, "table": table, "acks": set(),
-                             "moved": adaptive.moved_bytes(old, table, 4), "round": round_,
+                             "planned": planned, "moved": planned, "sent": 0, "round": round_,
                              "full_next": full_next, "deadline": self._now + self.cfg.timeout}
         body = json.dumps({"version": self.plan_version, "old": table_to_json(old),
                            "new": table_to_json(table)}).encode()
@@ -691,17 +694,27 @@ class SchedulerState:
             self._abort("%s could not move state for plan %d: %s"
                         % (node.describe(), p["version"], body["error"]))
             return
+        sent = body.get("moved_bytes", 0)
+        if not _integer(sent):
+            raise MalformedBody("PLAN of version %d: moved_bytes %.40r is not a byte count"
+                                % (p["version"], sent))
+        if node.rank in p["acks"]:
+            return
         p["acks"].add(node.rank)
+        p["sent"] += sent
         if len(p["acks"]) < self.cfg.num_servers:
             return
         self.pending_plan = None
-        log.info("plan %d in place (round %d, %d bytes moved)", p["version"], p["round"],
-                 p["moved"])
+        p["moved"] = p["sent"]
+        self.replanner.moved(p["planned"], p["sent"])
+        log.info("plan %d in place (round %d, %d bytes of weights changed server, %d bytes "
+                 "sent)", p["version"], p["round"], p["planned"], p["sent"])
         if not p.get("released"):
             self._record_point(p["round"], True, True, p["full_next"], p["moved"])
             self._release(self._plan_body(p))
         else:       # overlapped: the point was recorded at the release; the state is in now
             self.points[-1]["in_place_at"] = round(self._now - self.started_at, 6)
+            self.points[-1]["moved_bytes"] = int(p["sent"])
         self._maybe_replan()            # a point that waited for this plan's state
 
     def _plan_body(self, p):
