@@ -228,7 +228,7 @@ SPARSE_JOB = __import__("os").path.join(__import__("os").path.dirname(__file__),
 
 
 @pytest.mark.parametrize("weight,optimizer,push", [("grad", "sgd", "tcp"),
-                                                    ("weight", "adam", "tcp"),
+                                                    ("weight", "adam", "2_devices"),
                                                     ("grad", "sgd", "ltp"),
                                                     ("weight", "adam", "overlapped_moves")])
 def test_a_sparse_model_trained_by_two_workers_equals_the_one_process_reference(
@@ -238,18 +238,24 @@ def test_a_sparse_model_trained_by_two_workers_equals_the_one_process_reference(
     the loss went down.  Under LTP (every slice big enough for it) the row pushes go by TCP
     and the dense ones by LTP.  Re-planned every step (forced, slices of 64 elements or more)
     with overlapped moves, every slice's rows, Adam's state and update count move between the
-    servers while the workers already push and pull rows by the new plan."""
+    servers while the workers already push and pull rows by the new plan.  With 2 devices per
+    worker (the reference: 4), each worker sums its devices' row gradients before the push and
+    the rows are pulled onto both (Gluon's deferred broadcast runs inside the forward pass)."""
     import cluster
     env = {"SPARSE_WEIGHT": weight, "SPARSE_OPTIMIZER": optimizer,
            "MXNET_KVSTORE_BIGARRAY_BOUND": "1000"}
     if push == "ltp":
         env.update(MXPS_PUSH="ltp", MXPS_LTP_MIN_BYTES="1")
+    devices = 2 if push == "2_devices" else 1
+    if devices > 1:
+        env["SPARSE_DEVICES"] = str(devices)
     replanned = push == "overlapped_moves"
     if replanned:
         env.update(MXPS_PLAN="adaptive", MXPS_REPLAN_FORCE="1", MXPS_REPLAN_INTERVAL="1",
                    MXPS_MIN_SLICE="64", MXPS_MAX_CHUNK="300", MXPS_REPLAN_OVERLAP="1")
     ref_dir, job_dir = tmp_path / "ref", tmp_path / "job"
-    cluster.run_single([SPARSE_JOB], env=dict(env, SPARSE_KVSTORE="local", SPARSE_SIMULATE=2,
+    cluster.run_single([SPARSE_JOB], env=dict(env, SPARSE_KVSTORE="local",
+                                              SPARSE_SIMULATE=2 * devices,
                                               SPARSE_OUT=str(ref_dir)), timeout=300)
     result = cluster.run_job([SPARSE_JOB], 2, 2, env=dict(env, SPARSE_OUT=str(job_dir)),
                              timeout=300)

@@ -651,8 +651,7 @@ class MXPS(KVStoreBase):
             self._check(k, outs, "pull")
             dst, rest = self._pull_target(k, outs)
             self._launch(k, MsgType.PULL, None, dst, priority)
-            for o in rest:
-                dst.copyto(o)
+            self._copy_out(dst, rest)
 
     def pushpull(self, key, value, out=None, priority=0):
         groups = _group(key, value)
@@ -672,8 +671,19 @@ class MXPS(KVStoreBase):
             dst, rest = self._pull_target(k, outs)
             self._next_push(k)
             self._launch(k, MsgType.PUSHPULL, grad, dst, priority)
-            for o in rest:
-                dst.copyto(o)
+            self._copy_out(dst, rest)
+
+    @staticmethod
+    def _copy_out(dst, rest):
+        """The pulled value onto the other devices (MXNet's copies, engine operations).  Not
+        recorded by autograd: Gluon may pull inside a forward pass (its deferred
+        ``_init_params`` broadcast, from ``row_sparse_data``), where the outputs are already
+        in the graph and a recorded copy into them is refused; MXNet's own kvstore copies in
+        C++, outside the recording, too."""
+        if rest:
+            with mx.autograd.pause():
+                for o in rest:
+                    dst.copyto(o)
 
     # -- row-sparse keys (docs/SPARSE.md) ----------------------------------------------------
     def _check_rows(self, k, arrays, what, stype):

@@ -16,7 +16,9 @@ Environment:
                     row-sparse gradients (pushed sparse, pulled dense); weight: the contrib
                     SparseEmbedding, a row-sparse weight (row_sparse_pull of the batch's rows).
   SPARSE_OPTIMIZER  sgd (default; momentum 0.9, wd 1e-4) or adam (wd 1e-4).
-  SPARSE_STEPS      steps (default 12); SPARSE_BATCH samples per worker per step (default 16).
+  SPARSE_STEPS      steps (default 12); SPARSE_BATCH samples per device per step (default 16).
+  SPARSE_DEVICES    D devices cpu(0..D-1) per worker (default 1): worker w's device d gets
+                    shard w * D + d of W * D (the reference: SPARSE_SIMULATE = W * D).
 """
 import json
 import os
@@ -35,6 +37,7 @@ WEIGHT = os.environ.get("SPARSE_WEIGHT", "grad")
 OPTIMIZER = os.environ.get("SPARSE_OPTIMIZER", "sgd")
 STEPS = int(os.environ.get("SPARSE_STEPS", "12"))
 BATCH = int(os.environ.get("SPARSE_BATCH", "16"))
+DEVICES = int(os.environ.get("SPARSE_DEVICES", "1") or 1)
 VOCAB, DIM = 64 * 17, 8
 
 
@@ -64,7 +67,7 @@ class Bag(gluon.Block):
 
 def main():
     mx.random.seed(7)
-    ctxs = [mx.cpu(i) for i in range(SIMULATE or 1)]
+    ctxs = [mx.cpu(i) for i in range(SIMULATE or DEVICES)]
     net = Bag(prefix="bag_")
     net.initialize(mx.init.Uniform(0.5), ctx=ctxs)
     params = net.collect_params()
@@ -76,7 +79,8 @@ def main():
     trainer._init_kvstore()
     kv = trainer._kvstore
     rank, workers = (0, SIMULATE) if SIMULATE else (kv.rank, kv.num_workers)
-    shards = [data(r, workers) for r in (range(SIMULATE) if SIMULATE else [rank])]
+    shards = [data(r, workers) for r in range(SIMULATE)] if SIMULATE else \
+        [data(rank * DEVICES + d, workers * DEVICES) for d in range(DEVICES)]
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     losses = []
     for step in range(STEPS):
