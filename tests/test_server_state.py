@@ -74,9 +74,10 @@ def sgd(momentum=0.0):
     return pickle.dumps(mx.optimizer.SGD(learning_rate=1.0, momentum=momentum))
 
 
-def new_server(workers=2, rank=0, sync=True, optimizer=None, keys=None):
-    """A server with ``keys`` ({key: initial value}, whole keys) and an optimizer, if any."""
-    s = ServerState(rank, workers, sync)
+def new_server(workers=2, rank=0, sync=True, optimizer=None, keys=None, store=None):
+    """A server with ``keys`` ({key: initial value}, whole keys) and an optimizer, if any
+    (``store``: StoreSettings, the disk store)."""
+    s = ServerState(rank, workers, sync, store=store)
     if optimizer is not None:
         only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER, sender=0), optimizer),
              MsgType.ACK)
@@ -459,9 +460,13 @@ class Pair:
             self.deliver()
 
 
-def adam_pair(value):
+def adam_pair(value, directory=None):
+    """Two servers with Adam, key 5 on server 0 (``directory``: in disk stores under it)."""
     opt = pickle.dumps(mx.optimizer.Adam(learning_rate=0.1))
-    return [new_server(rank=0, optimizer=opt, keys={5: value}), new_server(rank=1, optimizer=opt)]
+    stores = [None, None] if directory is None else \
+        [StoreSettings(str(directory / ("server%d" % r)), 256) for r in (0, 1)]
+    return [new_server(rank=0, optimizer=opt, keys={5: value}, store=stores[0]),
+            new_server(rank=1, optimizer=opt, store=stores[1])]
 
 
 def push_rounds(servers_and_slices, grads):
@@ -534,11 +539,14 @@ def test_a_part_that_arrives_before_its_plan_is_used_when_the_plan_comes():
     assert s1.slots[(5, 3)].applied == 1 and counts(s1) == {optimizer_index(5, 3): 1}
 
 
-def test_overlapped_pushes_for_a_slice_still_being_built_are_acked_and_summed_once_built():
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_overlapped_pushes_for_a_slice_still_being_built_are_acked_and_summed_once_built(
+        tmp_path, store):
     # MXPS_REPLAN_OVERLAP: the workers push round 3 by plan 1 while server 1 still waits for
     # its part; the pushes are acknowledged at once, a pull waits, and once the part is in
-    # the round is the same as on one server that kept everything
-    s0, s1 = adam_pair(VALUE)
+    # the round is the same as on one server (in RAM) that kept everything; with the disk
+    # store the slice is built as a table with Adam's state beside its rows
+    s0, s1 = adam_pair(VALUE, tmp_path if store == "disk" else None)
     push_rounds([(s0, OLD[5][0])], GRADS[:2])
     alone = adam_pair(VALUE)[0]
     push_rounds([(alone, OLD[5][0])], GRADS)
@@ -563,6 +571,7 @@ def test_overlapped_pushes_for_a_slice_still_being_built_are_acked_and_summed_on
         outs += [o for o in got if o.to == Out.CLIENT and not o.dest.startswith(b"peer")]
         net.take(to, [o for o in got if not (o.to == Out.CLIENT and
                                              not o.dest.startswith(b"peer"))])
+    assert (type(s1.slots[(5, 3)].store).__name__ == "DiskSlice") is (store == "disk")
     assert not s1.deferred and s1.slots[(5, 3)].applied == 3
     pulled = value_of(only(outs, MsgType.DATA))       # the waiting pull, answered
     np.testing.assert_allclose(pulled, alone.slots[(5, 0)].store.snapshot[3:], rtol=1e-6)

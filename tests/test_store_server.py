@@ -15,7 +15,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from mxps.roles.server_state import ServerState, StoreSettings
+from mxps.roles.server_state import ServerState, StoreSettings, WspSettings
 from mxps.wire import typed
 from mxps.wire.frame import Header, MsgType, dtype_code
 
@@ -30,10 +30,11 @@ OPTIMIZERS = {
 }
 
 
-def new_server(make, directory=None, cache_mb=0.004, resume=False, sync=True, workers=2):
+def new_server(make, directory=None, cache_mb=0.004, resume=False, sync=True, workers=2,
+               wsp=None):
     store = None if directory is None else \
         StoreSettings(str(directory), int(cache_mb * (1 << 20)), resume)
-    s = ServerState(0, workers, sync, store=store)
+    s = ServerState(0, workers, sync, store=store, wsp=wsp)
     s.on_request(b"w0", Header(MsgType.SET_OPTIMIZER, sender=0), pickle.dumps(make()))
     rng = np.random.RandomState(5)
     for key, n, cols in ((DENSE, N_DENSE, 1), (SPARSE, ROWS * COLS, COLS)):
@@ -117,6 +118,17 @@ def test_async_of_one_worker_answers_as_sync_with_dense_and_row_sparse_keys(tmp_
     want = play(new_server(OPTIMIZERS["adam"], directory and directory / "s", workers=1), msgs)
     assert len(got) == 10
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_wsp_with_k_equal_to_w_answers_dense_and_row_sparse_keys_as_bsp(tmp_path, store):
+    # k = W: every round waits for every worker, so WSP's rounds are BSP's (docs/WSP.md), row
+    # pushes included
+    directory = (lambda name: tmp_path / name) if store == "disk" else (lambda name: None)
+    msgs = messages(11, 4)
+    bsp = play(new_server(OPTIMIZERS["adam"], directory("bsp")), msgs)
+    wsp = play(new_server(OPTIMIZERS["adam"], directory("wsp"), wsp=WspSettings(2, 2)), msgs)
+    assert_same(wsp, bsp)
 
 
 def test_a_flushed_store_resumes_exactly_where_an_uninterrupted_server_would_be(tmp_path):
