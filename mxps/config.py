@@ -431,9 +431,6 @@ def from_env(env=None, mode=None):
                           "(MXPS_PLAN=adaptive) do not go together yet: a checkpoint holds the "
                           "tables of the plan of its round, a resumed job starts from its "
                           "start-up plan; set MXPS_REPLAN_INTERVAL=0 or another MXPS_PLAN")
-    if cfg.mode == "wsp" and cfg.push == "ltp":
-        raise ConfigError("MXPS_MODE=wsp and MXPS_PUSH=ltp do not go together yet: an LTP round "
-                          "waits for every worker's packets; use MXPS_PUSH=tcp with wsp")
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError("MXPS_HEARTBEAT_TIMEOUT=%s must exceed twice MXPS_HEARTBEAT_INTERVAL=%s"
                           % (cfg.heartbeat_timeout, cfg.heartbeat_interval))

@@ -41,7 +41,7 @@ from mxps.ltp.receiver import Receiver
 from mxps.ltp.rounds import FILLS, RESCALE, ZERO, LtpRound
 from mxps.ltp import sender as ltp_sender
 from mxps.ltp.sender import Sender
-from mxps.roles.server_state import LtpSettings, Out, ServerState
+from mxps.roles.server_state import LtpSettings, Out, ServerState, WspSettings
 from mxps.wire.frame import Header, MsgType, dtype_code
 from test_server_state import only, send, value_of, worker
 
@@ -314,10 +314,11 @@ NP = pk.packet_count(N, EPP)
 SGD = dict(momentum=0.9, wd=1e-4)
 
 
-def ltp_server(workers, optimizer=None, value=None, store=None, **settings):
+def ltp_server(workers, optimizer=None, value=None, store=None, wsp=None, **settings):
     """A server taking LTP packets of ``BUDGET`` bytes, key KEY initialised by worker 0
-    (``store``: a StoreSettings, MXPS_STORE=disk)."""
-    s = ServerState(0, workers, True, ltp=LtpSettings(BUDGET, **settings), store=store)
+    (``store``: a StoreSettings, MXPS_STORE=disk; ``wsp``: WspSettings, MXPS_MODE=wsp)."""
+    s = ServerState(0, workers, True, ltp=LtpSettings(BUDGET, **settings), store=store,
+                    wsp=wsp)
     if optimizer is not None:
         only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER, sender=0),
                           pickle.dumps(mx.optimizer.SGD(**optimizer))), MsgType.ACK)
@@ -566,6 +567,39 @@ def test_packets_of_the_next_plan_wait_for_its_plan_and_are_taken_when_it_comes(
     got, want = (value_of(only(send(s, MsgType.PULL, KEY, it=1, length=N, version=1)))
                  for s in (early, clean))
     assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_under_wsp_a_push_s_packets_go_into_the_round_wsp_gives_it_and_rounds_close_with_k(
+        fill):
+    # W = 3, k = 2, the update on the workers (a round's value is its scaled sum): the rounds
+    # close with the k workers whose packets are in them, scaled by W / n; a late push goes
+    # into the next open round, and never into one that holds a push of the same worker
+    srv = ltp_server(3, wsp=WspSettings(2, 3), fill=fill)
+    slot = srv.slots[(KEY, 0)]
+    g = {(w, i): np.random.default_rng(10 * w + i).standard_normal(N).astype(np.float32)
+         for w in range(3) for i in (1, 2)}
+    clock = Clock()
+
+    def push(w, label):
+        data, end = push_packets(g[(w, label)], w, label)
+        feed(srv, [*data.values(), end], clock)
+
+    push(0, 1)
+    push(1, 1)
+    assert slot.applied == 1
+    np.testing.assert_allclose(slot.store.snapshot, 1.5 * (g[(0, 1)] + g[(1, 1)]), rtol=1e-6)
+    push(2, 1)                    # round 1 is complete: into round 2, alone there (k = 2)
+    push(2, 2)                    # round 2 holds worker 2's push already: into round 3
+    assert slot.applied == 1 and sorted(slot.rounds) == [2, 3]
+    push(0, 2)                    # round 2: workers 2 and 0
+    assert slot.applied == 2
+    np.testing.assert_allclose(slot.store.snapshot, 1.5 * (g[(2, 1)] + g[(0, 2)]), rtol=1e-6)
+    push(1, 2)                    # round 2 is complete: into round 3, with worker 2's
+    assert slot.applied == 3 and not slot.rounds
+    np.testing.assert_allclose(slot.store.snapshot, 1.5 * (g[(2, 2)] + g[(1, 2)]), rtol=1e-6)
+    assert srv.wsp_stats["folded"] == 3 and srv.wsp_stats["contributions"] == 6
+    assert not any(k.startswith("drop_") for k in srv.ltp_stats), dict(srv.ltp_stats)
 
 
 def test_an_end_repeated_after_its_round_closed_is_counted_but_not_a_drop():

@@ -102,6 +102,13 @@ class LtpIntake:
         if f.dtype != slot.dtype_code:
             raise _Drop("dtype")
         r = f.round
+        if self.policy.ltp_participants_only:      # WSP: the push's round, as a TCP push's
+            if f.worker >= self.num_workers:
+                raise _Drop("worker")
+            try:
+                r = self.policy.packet_round(slot, f.worker, f.round, now)
+            except ValueError:
+                raise _Drop("late") from None
         rnd = slot.rounds.get(r)
         if r <= slot.applied or (rnd is not None and rnd.closed):
             if f.type == ltp_packet.END:       # its packets made the round: nothing is late
@@ -174,6 +181,15 @@ class LtpIntake:
     def _ltp_check(self, slot, r, rnd, now):
         """Apply the Early Close rule to round ``r`` of ``slot``; close it, or schedule a look."""
         lt, st = rnd.ltp, self.ltp
+        if self.policy.ltp_participants_only:
+            # WSP: the round is its participants' (the workers whose packets are in it); it
+            # closes when Early Close says so over them and WSP lets it (``ltp_may_close``;
+            # looked at again whenever the rounds are, ``ServerState._complete_rounds``)
+            part = [w for w in range(lt.workers) if lt.heard[w] is not None]
+            if not part:
+                return
+        else:
+            part = range(lt.workers)
         if st.ratio > 0:
             ratio = st.ratio
         else:
@@ -185,14 +201,22 @@ class LtpIntake:
         else:
             deadline = st.deadline or None
         grace = ltp_close.grace_for(st.grace, st.reordered(), now)
-        reason, wake = ltp_close.decide(now, [lt.n] * lt.workers, lt.received, lt.heard,
-                                        lt.ends, ratio, grace, deadline)
+        reason, wake = ltp_close.decide(now, [lt.n] * len(part),
+                                        [lt.received[w] for w in part],
+                                        [lt.heard[w] for w in part], [lt.ends[w] for w in part],
+                                        ratio, grace, deadline)
         if reason is None:
             if wake is not None and (rnd.wake is None or wake < rnd.wake
                                      or rnd.wake <= now):
                 rnd.wake = wake
                 heapq.heappush(self._wakes, (wake, slot.key, slot.offset, r))
             return
+        if self.policy.ltp_participants_only:
+            if not self.policy.ltp_may_close(slot, r, rnd, part):
+                return
+            rnd.pushes = len(part)          # WSP's W / n: n parts (TCP pushes among them)
+            rnd.rescaled = st.fill == ltp_rounds.RESCALE     # the filling scales each
+            # packet delivered by c < W workers by W / c: WSP's scale, packet by packet
         rnd.closed = True
         if lt.live:
             lt.live = False
@@ -201,11 +225,12 @@ class LtpIntake:
             if lt.ends[w] is None:          # its END did not come: it owes the round no more
                 st.share.settled(w)
         rnd.frozen = lt.fill(st.fill)
-        slot.spans.closed(reason, None if lt.last is None else lt.last - max(lt.heard))
+        slot.spans.closed(reason, None if lt.last is None else
+                          lt.last - max(lt.heard[w] for w in part))
         stats = self.ltp_stats
         stats["rounds"] += 1
         stats["close_" + reason] += 1
-        stats["packets_expected"] += lt.n * lt.workers
+        stats["packets_expected"] += lt.n * len(part)
         stats["packets_received"] += sum(lt.received)
         stats["packets_nobody"] += int((lt.counts == 0).sum())
         stats["duplicates"] += lt.duplicates

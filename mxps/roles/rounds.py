@@ -21,7 +21,7 @@ from .server_requests import RequestError
 
 class Round:
     __slots__ = ("acc", "acc_nd", "senders", "ltp", "closed", "frozen", "wake", "parts",
-                 "scale", "pushes")
+                 "scale", "pushes", "rescaled")
 
     def __init__(self, acc, acc_nd, parts=None):
         self.acc = acc            # numpy view of the sum
@@ -34,6 +34,7 @@ class Round:
         self.closed = False       # ... and whether Early Close ended it
         self.frozen = ()          # element ranges no worker delivered (kept as they are)
         self.wake = None          # the earliest look at it already scheduled (on_tick)
+        self.rescaled = False     # WSP + LTP: the filling scaled each packet to W already
 
     def complete(self, num_workers):
         return self.closed if self.ltp is not None else len(self.senders) >= num_workers
@@ -104,6 +105,18 @@ class Bsp:
     def moved(self, slot):
         pass
 
+    # -- LTP rounds (roles.ltp_intake) --------------------------------------------------------
+    #: Early Close decides over the workers in the round only (WSP), not over all W
+    ltp_participants_only = False
+
+    def packet_round(self, slot, worker, label, now):
+        """The round an LTP packet of ``worker``'s push ``label`` goes into."""
+        return label
+
+    def ltp_may_close(self, slot, r, rnd, participants):
+        """Whether an LTP round whose packets Early Close would close may close now."""
+        return True
+
 
 class Async(Bsp):
     """dist_async: every push is a round of its own, applied at once; pulls never wait."""
@@ -159,7 +172,10 @@ class Wsp:
         return r
 
     def ready(self, slot, r, rnd):
-        """Whether round ``r`` may complete now (``wsp.may_complete``)."""
+        """Whether round ``r`` may complete now (``wsp.may_complete``); an LTP round once
+        it closed (``ltp_may_close`` let it)."""
+        if rnd.ltp is not None:
+            return rnd.closed
         if not rnd.senders:
             return False
         ws = self.of(slot)
@@ -179,12 +195,54 @@ class Wsp:
         round ``slot.applied``."""
         slot.wsp = wsp_rules.SliceWsp.settled(self.num_workers, slot.applied)
 
+    # -- LTP rounds (MXPS_PUSH=ltp; docs/WSP.md) ----------------------------------------------
+    ltp_participants_only = True
+
+    def packet_round(self, slot, worker, label, now):
+        """A push's packets go into one round, chosen at its first packet as a TCP push's is
+        (``wsp.SliceWsp.place``), but never a round that already holds a push of the same
+        worker (an LTP round counts one part per worker): then the next one.  Raises
+        ValueError for a packet of a push older than the worker's last (its round is gone)."""
+        ws = self.of(slot)
+        if worker < 0 or worker >= self.num_workers:
+            raise ValueError("no worker %d" % worker)
+        r = ws.placed[worker].get(label) if label <= ws.latest[worker] else None
+        if r is not None:
+            return r
+        r = ws.place(worker, label, slot.applied, now)
+        while True:
+            rnd = slot.rounds.get(r)
+            if rnd is None or not (worker in rnd.senders or rnd.ltp is not None and
+                                   rnd.ltp.heard[worker] is not None):
+                break
+            r += 1
+        ws.placed[worker][label] = r
+        if r != label:
+            self.stats["folded"] += 1
+        return r
+
+    def ltp_may_close(self, slot, r, rnd, participants):
+        """The round's participants (the workers whose packets are in it) are a round WSP
+        may complete (``ready``'s rule with them as the contributors)."""
+        ws = self.of(slot)
+        if wsp_rules.before_point(r, self.settings.replan_every):
+            return all(ws.latest[w] >= r for w in range(self.num_workers)
+                       if w not in self.gone)
+        k = self.settings.k
+        if k <= 0:
+            active = [w for w in range(self.num_workers) if w not in self.gone]
+            times = ws.intervals()
+            k = wsp_rules.choose_k([times[w] for w in active])
+        return wsp_rules.may_complete(r, set(participants), ws.base,
+                                      min(k, self.num_workers), self.settings.staleness,
+                                      self.gone)
+
     def completing(self, rnd):
         """A round of n gradients is scaled to the expected sum of a full one."""
         n = rnd.pushes
         self.stats["rounds"] += 1
         self.stats["contributions"] += n
-        if n != self.num_workers:
+        if n != self.num_workers and not rnd.rescaled:
             rnd.scale = wsp_rules.scale(self.num_workers, n)
             if rnd.parts is None:
                 rnd.acc *= rnd.acc.dtype.type(rnd.scale)

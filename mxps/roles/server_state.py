@@ -134,7 +134,11 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         # receiver adds the DATA packets that need nothing else (ltp.receiver.Receiver.receive,
         # kernels.ltp.intake); None: every packet comes through take_packet (no LTP, or a
         # trace, which records every packet)
-        self.ltp_fast = {} if ltp is not None and ltp.fast and self._trace is None else None
+        # the compiled intake adds a packet into the round of its label; under WSP a push's
+        # round is chosen at its first packet (rounds.Wsp.packet_round), so every packet
+        # takes the path that looks it up
+        self.ltp_fast = {} if ltp is not None and ltp.fast and self._trace is None and \
+            wsp is None else None
 
     def _data_row(self, kind, slot, rnd, worker, nbytes, request=-1):
         self._trace.append((kind, self._now(), rnd, slot.key, slot.offset, slot.length, worker,
@@ -475,6 +479,9 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         while True:          # in order: an early round waits for the ones before it
             r = slot.applied + 1
             nxt = slot.rounds.get(r)
+            if nxt is not None and nxt.ltp is not None and not nxt.closed and \
+                    policy.ltp_participants_only:   # WSP may let an LTP round close now
+                self._ltp_check(slot, r, nxt, self._ltp_now)
             if nxt is None or not policy.ready(slot, r, nxt):
                 break
             policy.completing(nxt)
