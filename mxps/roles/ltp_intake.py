@@ -201,10 +201,13 @@ class LtpIntake:
         else:
             deadline = st.deadline or None
         grace = ltp_close.grace_for(st.grace, st.reordered(), now)
-        reason, wake = ltp_close.decide(now, [lt.n] * len(part),
-                                        [lt.received[w] for w in part],
-                                        [lt.heard[w] for w in part], [lt.ends[w] for w in part],
-                                        ratio, grace, deadline)
+        if self.policy.ltp_participants_only:
+            received, heard, ends = ([x[w] for w in part]
+                                     for x in (lt.received, lt.heard, lt.ends))
+        else:
+            received, heard, ends = lt.received, lt.heard, lt.ends
+        reason, wake = ltp_close.decide(now, [lt.n] * len(part), received, heard, ends, ratio,
+                                        grace, deadline)
         if reason is None:
             if wake is not None and (rnd.wake is None or wake < rnd.wake
                                      or rnd.wake <= now):
@@ -225,8 +228,7 @@ class LtpIntake:
             if lt.ends[w] is None:          # its END did not come: it owes the round no more
                 st.share.settled(w)
         rnd.frozen = lt.fill(st.fill)
-        slot.spans.closed(reason, None if lt.last is None else
-                          lt.last - max(lt.heard[w] for w in part))
+        slot.spans.closed(reason, None if lt.last is None else lt.last - max(heard))
         stats = self.ltp_stats
         stats["rounds"] += 1
         stats["close_" + reason] += 1
