@@ -54,6 +54,7 @@ class Config:
     replan_horizon: int = 20
     replan_light: bool = False
     replan_overlap: bool = False
+    replan_seed: bool = False
     replan_one_round: bool = True
     replan_window: int = 3
     trace: str = ""
@@ -412,6 +413,7 @@ def from_env(env=None, mode=None):
         replan_horizon=_int(env, "MXPS_REPLAN_HORIZON", 20, minimum=1),
         replan_light=_bool(env, "MXPS_REPLAN_LIGHT", False),
         replan_overlap=_bool(env, "MXPS_REPLAN_OVERLAP", False),
+        replan_seed=_bool(env, "MXPS_REPLAN_SEED", False),
         replan_one_round=_bool(env, "MXPS_REPLAN_ONE_ROUND", True),
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),

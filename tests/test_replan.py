@@ -66,6 +66,21 @@ def test_forced_replan_every_step_ends_with_the_fixed_plan_weights(jobs, workers
     assert_weights_close(got, want, rtol=RTOL, what="re-planned every step vs fixed plan")
 
 
+def test_seeded_moves_take_the_weights_from_the_workers_and_end_with_the_same_weights(jobs):
+    # MXPS_REPLAN_SEED=1: the new owners take the moved weights from the workers (each holds
+    # what its last pull got), the old owners send only the optimizer state: with SGD's
+    # momentum half the bytes of an unseeded move, and the job ends bit for bit the same
+    env = dict(optimizer="sgd", update_on_kvstore=True, steps=STEPS, **FORCED)
+    plain = jobs.train(train_env("mxps", **env), 2, 2)
+    seeded = jobs.train(train_env("mxps", MXPS_REPLAN_SEED=1, **env), 2, 2)
+    a, b = new_plans(plain), new_plans(seeded)
+    assert [p["round"] for p in a] == [p["round"] for p in b] == list(range(2, STEPS + 1))
+    assert [2 * p["moved_bytes"] for p in b] == [p["moved_bytes"] for p in a], (a, b)
+    assert_weights_close(assert_synchronised(seeded.out_dir, 2),
+                         assert_synchronised(plain.out_dir, 2), rtol=0.0,
+                         what="seeded moves vs moves that carry the weights")
+
+
 def test_overlapped_moves_give_the_fixed_plan_weights(jobs):
     # MXPS_REPLAN_OVERLAP=1: workers go on with each new plan while its state moves (the
     # cases above use the default, the quiescent switch)

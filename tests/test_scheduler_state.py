@@ -391,6 +391,37 @@ def test_a_new_plan_goes_to_the_servers_and_workers_wait_for_every_ack():
     assert headers(step, MsgType.REPLAN)[b"w0"].plan_version == 1
 
 
+def test_with_seeds_every_changed_part_is_given_to_a_worker_and_the_release_waits_for_acks():
+    # MXPS_REPLAN_SEED: every worker reported it holds the weights; the PLAN names who sends
+    # each part that changes server, each worker gets its own tasks at once, and the release
+    # (the new table) still waits for every server's ack
+    job = started()
+    job.send(b"w1", MsgType.REPLAN, dict(report(2, force=1), seed=True))
+    step = job.send(b"w0", MsgType.REPLAN, dict(report(2, force=1, lead=True), seed=True))
+    plan = sent(step, MsgType.PLAN)[b"s0"][0]
+    new = table_from_json(plan["new"])
+    seeds = plan["seeds"]
+    assert seeds and {w for *_, w in seeds} == {0, 1}          # the workers take turns
+    changed = sum(n for _, _, n, _ in seeds)
+    assert changed * 4 == adaptive.moved_bytes(OLD, new, 4)   # every element that moves, once
+    tasks = sent(step, MsgType.REPLAN)
+    assert sorted(tasks) == WORKERS
+    for ident, rank in ((b"w0", 0), (b"w1", 1)):
+        body = tasks[ident][0]
+        assert body["version"] == 1 and body.get("table") is None
+        assert sorted(t[:3] for t in body["seed"]) == sorted(
+            [k, o, n] for k, o, n, w in seeds if w == rank)
+        for k, o, n, srv in body["seed"]:      # to the slice's new owner
+            assert any(x.server == srv and x.offset <= o and o + n <= x.stop for x in new[k])
+    job.send(b"s1", MsgType.PLAN, {"version": 1, "moved_bytes": 0})
+    step = job.send(b"s0", MsgType.PLAN, {"version": 1, "moved_bytes": 0})
+    assert table_from_json(sent(step, MsgType.REPLAN)[b"w0"][0]["table"]) == new
+    # a worker that cannot seed (no seed: true) makes the move send the weights as before
+    job.send(b"w1", MsgType.REPLAN, dict(report(3, force=1), seed=True))
+    step = job.send(b"w0", MsgType.REPLAN, report(3, force=1, lead=True))
+    assert "seeds" not in sent(step, MsgType.PLAN)[b"s0"][0] and not sent(step, MsgType.REPLAN)
+
+
 def test_overlapped_a_new_plan_releases_the_workers_with_it_and_the_next_point_waits_for_acks():
     job = started(replan_overlap=True)
     job.send(b"w1", MsgType.REPLAN, report(2, force=1))

@@ -440,9 +440,11 @@ class Pair:
                 assert o.dest.startswith(b"peer"), "a worker got %r during a re-plan" % o
                 self.queue.append(("reply", int(o.dest[4:]), rank, o.header))
 
-    def plan(self, rank, version, old, new):
-        body = json.dumps({"version": version, "old": table_to_json(old),
-                           "new": table_to_json(new)}).encode()
+    def plan(self, rank, version, old, new, seeds=None):
+        plan = {"version": version, "old": table_to_json(old), "new": table_to_json(new)}
+        if seeds:
+            plan["seeds"] = [list(k) + [w] for k, w in seeds.items()]
+        body = json.dumps(plan).encode()
         self.early += bool(self.servers[rank].early_parts)
         self.take(rank, self.servers[rank].on_scheduler(Header(MsgType.PLAN), body))
 
@@ -519,6 +521,68 @@ def test_migration_moves_value_optimizer_state_and_update_count_to_the_new_owner
                                              length=x.length, version=1)))
                           for s, x in ((s0, NEW[5][0]), (s1, NEW[5][1]))])
     np.testing.assert_allclose(got, alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
+
+
+def seed(s, w, x, value, version=1):
+    """Worker ``w``'s SEED of key 5's slice ``x`` (MXPS_REPLAN_SEED) to server ``s``."""
+    h, v = request(MsgType.SEED, 5, w=w, offset=x.offset, value=value, version=version)
+    return s.on_request(worker(w), h, v)
+
+
+@pytest.mark.parametrize("seed_first", [False, True], ids=["part_first", "seed_first"])
+def test_a_seeded_move_takes_the_weights_from_a_worker_and_only_state_from_the_old_owner(
+        seed_first):
+    # MXPS_REPLAN_SEED: worker 1 holds the weights its last pull got; the old owner sends
+    # Adam's state and a checksum of the weights, the worker the weights; the slice is built
+    # once both are in, as an unseeded move builds it
+    plain, seeded = adam_pair(VALUE), adam_pair(VALUE)
+    for s0, _ in (plain, seeded):
+        push_rounds([(s0, OLD[5][0])], GRADS[:2])
+    weights = seeded[0].slots[(5, 0)].store.snapshot.copy()
+    net = Pair(plain)
+    net.plan(1, 1, OLD, NEW)
+    net.plan(0, 1, OLD, NEW)
+    net.route()
+    s0, s1 = seeded
+    moved = NEW[5][1]
+    net = Pair(seeded)
+    seeds = {(5, moved.offset, moved.length): 1}
+    net.plan(1, 1, OLD, NEW, seeds)
+    if seed_first:                                   # the worker's weights before the part
+        only(seed(s1, 1, moved, weights[moved.offset:]), MsgType.ACK)
+    net.plan(0, 1, OLD, NEW, seeds)
+    net.route()
+    assert net.reports[0] == [{"version": 1, "moved_bytes": 5 * 4 * 2}]   # Adam's state only
+    if not seed_first:
+        assert (5, 3) not in s1.slots and net.reports[1] == []   # waits for the weights
+        outs = seed(s1, 1, moved, weights[moved.offset:])
+        only(outs, MsgType.ACK)
+        net.take(1, [o for o in outs if o.to != Out.CLIENT])
+    assert net.reports[1] == [{"version": 1, "moved_bytes": 0}]
+    a, b = plain[1].slots[(5, 3)], s1.slots[(5, 3)]
+    np.testing.assert_array_equal(b.store.snapshot, a.store.snapshot)
+    far = optimizer_index(5, 3)
+    for x, y in zip(s1.updater.states[far], plain[1].updater.states[far]):
+        np.testing.assert_array_equal(x.asnumpy(), y.asnumpy())
+    assert b.applied == a.applied == 2 and counts(s1) == counts(plain[1])
+
+
+def test_weights_a_worker_seeds_that_differ_from_the_old_owners_fail_the_plan_naming_them():
+    s0, s1 = adam_pair(VALUE)
+    push_rounds([(s0, OLD[5][0])], GRADS[:2])
+    wrong = s0.slots[(5, 0)].store.snapshot[3:] + 1.0
+    net = Pair([s0, s1])
+    moved = NEW[5][1]
+    seeds = {(5, moved.offset, moved.length): 0}
+    net.plan(1, 1, OLD, NEW, seeds)
+    net.plan(0, 1, OLD, NEW, seeds)
+    net.route()
+    outs = seed(s1, 0, moved, wrong)
+    assert "not the ones its old owner holds" in error_text(outs)
+    failed = [json.loads(o.payload) for o in outs if o.to == Out.SCHEDULER]
+    assert failed and "key 5 [3, +5)" in failed[0]["error"], failed
+    # a worker the plan does not name is refused too
+    assert "does not ask of it" in error_text(seed(s1, 1, moved, wrong))
 
 
 def test_a_part_that_arrives_before_its_plan_is_used_when_the_plan_comes():

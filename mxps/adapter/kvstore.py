@@ -58,7 +58,7 @@ class KeyError_(KeyError):
 
 class _Key:
     __slots__ = ("name", "id", "shape", "dtype", "code", "size", "slices", "pushes", "seq",
-                 "reduce_buf", "pull_buf", "cols", "residual")
+                 "reduce_buf", "pull_buf", "cols", "residual", "held")
 
     def __init__(self, name, id_, shape, dtype, slices):
         self.name = name
@@ -76,6 +76,8 @@ class _Key:
         # before MXNet copies them onto arrays that are not in host memory (GPUs)
         self.reduce_buf = None
         self.pull_buf = None
+        # the host array the last pull filled: the weights after it (MXPS_REPLAN_SEED)
+        self.held = None
         # gradient compression: what quantization has not sent yet, over the whole key (so a
         # re-plan that moves the key's slices re-slices it as it is), made on the first push
         self.residual = None
@@ -590,6 +592,7 @@ class MXPS(KVStoreBase):
             self._full_next = answer.get("full_next", True)
         full = self._full_next or not self._cfg.replan_light
         report = {"round": r, "traffic": self._metrics.take_recent(), "full": full,
+                  "seed": self._can_seed(),
                   "force": self._cfg.replan_force, "min_slice": self._cfg.min_slice,
                   "max_chunk": self._cfg.max_chunk,
                   "min_gain": self._cfg.replan_min_gain, "horizon": self._cfg.replan_horizon}
@@ -605,6 +608,12 @@ class MXPS(KVStoreBase):
             self._ticket_round = r
             return
         answer = self._client.replan(report)
+        if answer.get("seed") is not None:
+            # MXPS_REPLAN_SEED: send the new owners the weights asked of this worker, then wait
+            # for the answer that releases it (the servers have the state in place)
+            ticket = self._client.link.replans
+            self._send_seeds(answer["version"], answer["seed"])
+            answer = self._client.replan_answer(ticket)
         if tracing:
             self._point("replan_answer", r, self._plan.version if answer.get("table") is None
                         else answer["version"], 1)
@@ -620,6 +629,29 @@ class MXPS(KVStoreBase):
             self._trace_plans[self._plan.version] = plan_mod.table_to_json(self._plan.table())
         self._metrics.new_plan(r, self._plan.version, answer.get("moved_bytes", 0))
         log.info("worker %d: plan %d from round %d", self.rank, self._plan.version, r)
+
+    def _can_seed(self):
+        """Whether this worker holds every key's weights as the servers do (MXPS_REPLAN_SEED):
+        in sync mode with the optimizer on the servers, each pull leaves them in the array it
+        filled, unchanged until the next one (Gluon and Module do not write their weights when
+        the servers update); rows pulled by row_sparse_pull are not a whole key."""
+        return bool(self._cfg.replan_seed and self._cfg.mode == "sync"
+                    and self._optimizer is not None and self._keys
+                    and all(k.held is not None for k in self._keys.values()))
+
+    def _send_seeds(self, version, tasks):
+        """Each task [key, offset, length, server]: that part of the key's held weights to
+        that server (the old owner checks them against its own: a checksum)."""
+        by_id = {k.id: k for k in self._keys.values()}
+        for key, offset, length, server in tasks:
+            k = by_id.get(key)
+            if k is None or k.held is None or offset + length > k.size:
+                raise RuntimeError("mxps: the scheduler asked worker %d for key %d [%d, +%d), "
+                                   "which it does not hold" % (self.rank, key, offset, length))
+            values = numpy_view(k.held).reshape(-1)[offset:offset + length]
+            self._client.call(server, Header(
+                MsgType.SEED, key=key, sender=self.rank, plan_version=version, offset=offset,
+                length=length, dtype=k.code), np.ascontiguousarray(values), what="seed")
 
     def push(self, key, value, priority=0):
         for name, vals in _group(key, value):
@@ -651,6 +683,7 @@ class MXPS(KVStoreBase):
             self._check(k, outs, "pull")
             dst, rest = self._pull_target(k, outs)
             self._launch(k, MsgType.PULL, None, dst, priority)
+            k.held = dst
             self._copy_out(dst, rest)
 
     def pushpull(self, key, value, out=None, priority=0):
@@ -671,6 +704,7 @@ class MXPS(KVStoreBase):
             dst, rest = self._pull_target(k, outs)
             self._next_push(k)
             self._launch(k, MsgType.PUSHPULL, grad, dst, priority)
+            k.held = dst
             self._copy_out(dst, rest)
 
     @staticmethod

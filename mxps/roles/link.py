@@ -108,6 +108,15 @@ def parse_replan(payload):
     if body.get("table") is not None:
         _field(body, "table", (list, dict), "REPLAN")
         _field(body, "version", int, "REPLAN")
+    if "seed" in body:      # MXPS_REPLAN_SEED: the weights this worker sends the new owners
+        _field(body, "version", int, "REPLAN")
+        seed = body["seed"]
+        if not isinstance(seed, list) or not all(
+                isinstance(t, list) and len(t) == 4 and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in t)
+                for t in seed):
+            raise wire.WireError("REPLAN: seed %.80r is not [key, offset, length, server] "
+                                 "tasks" % (seed,))
     return body
 
 

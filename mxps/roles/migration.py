@@ -8,6 +8,7 @@ re-plans (MXPS_REPLAN_OVERLAP) requests of a slice still being built wait for it
 """
 import json
 import logging
+import zlib
 
 import numpy as np
 
@@ -36,8 +37,11 @@ class _Incoming:
 class _Migration:
     """One re-plan on this server: parts sent and not yet acknowledged, slices being built."""
 
-    def __init__(self, version):
+    def __init__(self, version, seeds=None):
         self.version = version
+        # MXPS_REPLAN_SEED: (key, offset, length) -> the worker that sends those weights
+        self.seeds = seeds or {}
+        self.seeded = {}          # (key, offset) -> (weights a worker sent, worker)
         self.outgoing = {}        # request id -> destination server
         self.incoming = {}        # key -> _Incoming
         self.next_id = 0
@@ -48,15 +52,16 @@ class _Migration:
 #: row-sparse requests (roles.row_requests): deferred as their typed bodies
 _ROWS = (MsgType.PUSH_ROWS, MsgType.PULL_ROWS)
 
-_PART = ("key", "target", "offset", "length", "dtype", "value", "applied")
+_PART_NEEDS = ("key", "target", "offset", "length", "dtype", "applied")
 
 
 def read_part(h, payload):
     """A MIGRATE part from a peer server (``ServerState._cut`` made it), checked field by field
     against its header before the server uses any of it."""
     what = "MIGRATE part of key %d" % h.key
-    part = fields(typed.unpack(payload), what, _PART, ("state", "count", "cols"))
-    for f in ("key", "target", "offset", "length", "applied", "count", "cols"):
+    part = fields(typed.unpack(payload), what, _PART_NEEDS,
+                  ("value", "state", "count", "cols", "seeded", "crc"))
+    for f in ("key", "target", "offset", "length", "applied", "count", "cols", "seeded", "crc"):
         if f in part:
             count_field(part[f], "%s: %s" % (what, f))
     if (part["key"], part["offset"], part["length"]) != (h.key, h.offset, h.length):
@@ -67,9 +72,12 @@ def read_part(h, payload):
         raise RequestError("%s: a part at %d cannot belong to a slice starting at %d"
                            % (what, part["offset"], part["target"]))
     dt = wire.dtype_of(count_field(part["dtype"], "%s: dtype" % what))
-    value = part["value"]
-    if not (isinstance(value, np.ndarray) and value.dtype == dt and value.ndim == 1
-            and value.size == part["length"]):
+    value = part.get("value")
+    if value is None:
+        if "seeded" not in part or "crc" not in part:
+            raise RequestError("%s: no value, and no worker seeds it" % what)
+    elif not (isinstance(value, np.ndarray) and value.dtype == dt and value.ndim == 1
+              and value.size == part["length"]):
         raise RequestError("%s: the value is not %d elements of %s" % (what, part["length"], dt))
     check_state(part.get("state"), part["length"], what)
     return part
@@ -137,7 +145,14 @@ def read_plan(payload, num_servers, current):
             raise PlanError("plan %d: key %d has %d elements in the old table and %d in the "
                             "new" % (version, key, sum(x.length for x in old[key]),
                                      sum(x.length for x in slices)), version)
-    return version, old, new
+    seeds = body.get("seeds") or []
+    if not isinstance(seeds, list) or not all(
+            isinstance(x, list) and len(x) == 4 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x)
+            for x in seeds):
+        raise PlanError("plan %d: seeds are [key, offset, length, worker] counts" % version,
+                        version)
+    return version, old, new, {(k, o, n): w for k, o, n, w in seeds}
 
 
 class Migrating:
@@ -260,12 +275,12 @@ class Migrating:
                 self._error(client, h, str(e))
         self._answer_waiting(slot)
 
-    def _on_plan(self, version, old, new):
+    def _on_plan(self, version, old, new, seeds=None):
         """The scheduler's new plan.  Every worker has stopped with nothing in flight, so every
         round is complete: send each new owner its part of this server's old slices (value,
         optimizer state, update count), keep the part that stays, and build each new slice once
         all of its parts are here; then tell the scheduler."""
-        mig = self.migration = _Migration(version)
+        mig = self.migration = _Migration(version, seeds)
         self.plan_version = version
         self._unfast()
         parts = []                         # (destination server, part)
@@ -304,6 +319,10 @@ class Migrating:
         for v, part in early:
             if v == version:
                 self._add_part(mig, part, remote=True)
+        early, self.early_seeds = self.early_seeds, []
+        for v, h, value in early:
+            if v == version:
+                self._take_seed(mig, h, value)
         for dest, part in parts:
             if dest != self.rank:
                 self._send_part(mig, dest, part)
@@ -334,6 +353,13 @@ class Migrating:
             update_counts(self.updater.optimizer).pop(slot.index, None)
 
     def _send_part(self, mig, dest, part):
+        worker = mig.seeds.get((part["key"], part["offset"], part["length"]))
+        if worker is not None:
+            # a worker sends the weights (it holds exactly these since its last pull): only
+            # the optimizer state and counts cross from here, with a checksum of the weights
+            value = part.pop("value")
+            part["crc"] = zlib.crc32(memoryview(np.ascontiguousarray(value)).cast("B"))
+            part["seeded"] = worker
         mig.next_id += 1
         mig.outgoing[mig.next_id] = dest
         mig.moved += part_bytes(part)
@@ -378,10 +404,71 @@ class Migrating:
             raise RequestError("plan %d: server %d got a part of key %d for a slice at %d it "
                                "does not hold" % (mig.version, self.rank, *target))
         inc.parts.append(part)
+        if "value" not in part:
+            got = mig.seeded.pop((part["key"], part["offset"]), None)
+            if got is not None:
+                self._seed_part(mig, part, *got)
         if remote:
             inc.expect -= 1
-            if inc.expect == 0:
-                self._install(mig, target)
+            self._maybe_install(mig, target)
+
+    def _maybe_install(self, mig, target):
+        inc = mig.incoming.get(target)
+        if inc is not None and inc.expect == 0 and all("value" in p for p in inc.parts):
+            self._install(mig, target)
+
+    def _seed_part(self, mig, part, value, worker):
+        """A worker's weights for a part that came without them; checked against the old
+        owner's checksum."""
+        if value.size != part["length"] or value.dtype != wire.dtype_of(part["dtype"]):
+            raise RequestError("plan %d: worker %d sent %d elements of %s for key %d [%d, +%d)"
+                               % (mig.version, worker, value.size, value.dtype, part["key"],
+                                  part["offset"], part["length"]))
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(value)).cast("B"))
+        if crc != part["crc"]:
+            raise RequestError("plan %d: the weights worker %d sent for key %d [%d, +%d) are "
+                               "not the ones its old owner holds (checksum %08x, not %08x): "
+                               "the worker's copy changed since its last pull"
+                               % (mig.version, worker, part["key"], part["offset"],
+                                  part["length"], crc, part["crc"]))
+        part["value"] = value
+
+    def _on_seed(self, client, h, payload):
+        """SEED (MXPS_REPLAN_SEED): a worker's copy of a moved part's weights."""
+        value = np.array(wire.payload_array(h, payload), copy=True)
+        if h.plan_version == self.plan_version + 1 and (
+                self.migration is None or self.migration.version != h.plan_version):
+            if sum(v.nbytes for _, _, v in self.early_seeds) + value.nbytes > \
+                    self.EARLY_BYTES:
+                raise RequestError("key %d: more than %d MB of seeds of plan %d before its "
+                                   "PLAN arrived" % (h.key, self.EARLY_BYTES >> 20,
+                                                     h.plan_version))
+            self.early_seeds.append((h.plan_version, h, value))
+        else:
+            mig = self.migration
+            if mig is None or mig.version != h.plan_version:
+                raise RequestError("a seed of key %d for plan %d, but server %d is at plan %d"
+                                   % (h.key, h.plan_version, self.rank, self.plan_version))
+            try:
+                self._take_seed(mig, h, value)
+            except RequestError as e:
+                self._plan_failed(mig.version, e)
+                raise
+        self._reply(client, h, MsgType.ACK, length=0)
+
+    def _take_seed(self, mig, h, value):
+        if mig.seeds.get((h.key, h.offset, h.length)) != h.sender:
+            raise RequestError("plan %d: worker %d sent weights of key %d [%d, +%d), which "
+                               "the plan does not ask of it" % (mig.version, h.sender, h.key,
+                                                                h.offset, h.length))
+        for target, inc in list(mig.incoming.items()):
+            for part in inc.parts:
+                if (part["key"], part["offset"]) == (h.key, h.offset) and "value" not in part:
+                    self._seed_part(mig, part, value, h.sender)
+                    self._maybe_install(mig, target)
+                    self._maybe_done(mig)
+                    return
+        mig.seeded[(h.key, h.offset)] = (value, h.sender)
 
     def _install(self, mig, target):
         """Build this server's new slice ``target`` (key, offset) from its parts."""

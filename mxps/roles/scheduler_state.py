@@ -190,8 +190,9 @@ def _replan_report(payload, num_servers):
     def bad(what):
         return MalformedBody("REPLAN of round %d: %s" % (report["round"], what))
 
-    if not isinstance(report.get("full", True), bool):
-        raise bad("'full' is not true or false")
+    for name in ("full", "seed"):
+        if not isinstance(report.get(name, True), bool):
+            raise bad("%r is not true or false" % name)
     traffic = report.get("traffic", {})
     if not isinstance(traffic, dict):
         raise bad("'traffic' is not an object")
@@ -601,7 +602,11 @@ class SchedulerState:
         if table is None:
             self._keep_plan(round_, is_full, full_next)
         else:
-            self._send_plan(round_, old, table, full_next)
+            # MXPS_REPLAN_SEED: every worker holds the weights its last pull got, so a quiescent
+            # move can take them from the workers (docs/REPLAN.md)
+            seed = not self.cfg.replan_overlap and all(r.get("seed") is True
+                                                       for r in reports.values())
+            self._send_plan(round_, old, table, full_next, seed)
 
     def _decide(self, round_, is_full, reports):
         """(new table or None, the table in force, whether the next point must be full)."""
@@ -663,7 +668,22 @@ class SchedulerState:
         self._release({"version": self.plan_version, "table": None,
                        "rates": self.replanner.rates, "full_next": full_next})
 
-    def _send_plan(self, round_, old, table, full_next):
+    def _seeds(self, old, table):
+        """The weights that change server, as [key, offset, length, server, worker] tasks:
+        every part of an old slice that a new slice on another server takes, the workers
+        taking turns."""
+        workers = sorted(n.rank for n in self._live_workers())
+        tasks = []
+        for key in sorted(table):
+            for n in table[key]:
+                for o in old.get(key, ()):
+                    lo, hi = max(n.offset, o.offset), min(n.stop, o.stop)
+                    if hi > lo and o.server != n.server:
+                        tasks.append([key, lo, hi - lo, n.server,
+                                      workers[len(tasks) % len(workers)]])
+        return tasks
+
+    def _send_plan(self, round_, old, table, full_next, seed=False):
         self.plan_version += 1
         # "planned": the weights' bytes that change server; "moved": what the servers report
         # they sent for them (values and optimizer state), known once all are in place
@@ -671,10 +691,23 @@ class SchedulerState:
         self.pending_plan = {"version": self.plan_version, "table": table, "acks": set(),
                              "planned": planned, "moved": planned, "sent": 0, "round": round_,
                              "full_next": full_next, "deadline": self._now + self.cfg.timeout}
-        body = json.dumps({"version": self.plan_version, "old": table_to_json(old),
-                           "new": table_to_json(table)}).encode()
+        plan = {"version": self.plan_version, "old": table_to_json(old),
+                "new": table_to_json(table)}
+        tasks = self._seeds(old, table) if seed else None
+        if tasks:
+            plan["seeds"] = [[k, off, n, w] for k, off, n, _, w in tasks]
+        body = json.dumps(plan).encode()
         for n in self._servers():
             self._send(n, MsgType.PLAN, body, plan_version=self.plan_version)
+        if tasks:
+            # each worker sends the new owners the weights it was given, then waits for the
+            # answer that releases it (once every server has its state in place)
+            for n in self._live_workers():
+                mine = [[k, off, length, srv] for k, off, length, srv, w in tasks
+                        if w == n.rank]
+                self._send(n, MsgType.REPLAN, json.dumps(
+                    {"version": self.plan_version, "seed": mine}).encode(),
+                    plan_version=self.plan_version)
         if self.cfg.replan_overlap:
             # MXPS_REPLAN_OVERLAP: the workers go on with the new plan at once; a server
             # holds a request for a slice it is still building until the slice is built,

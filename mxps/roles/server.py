@@ -41,7 +41,8 @@ ALLOWED = {
     "worker": frozenset((MsgType.INIT, MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL,
                          MsgType.SET_OPTIMIZER, MsgType.GET_STATES, MsgType.SET_STATES,
                          MsgType.PROBE, MsgType.LTP_HELLO, MsgType.LEAVE,
-                         MsgType.PUSH_ROWS, MsgType.PULL_ROWS, MsgType.INIT_TABLE)),
+                         MsgType.PUSH_ROWS, MsgType.PULL_ROWS, MsgType.INIT_TABLE,
+                         MsgType.SEED)),
     "server": frozenset((MsgType.MIGRATE,)),
 }
 _IDENTITY = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")

@@ -91,6 +91,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         self.plan_version = 0
         self.migration = None      # the re-plan this server is moving state for
         self.early_parts = []      # parts of a plan whose PLAN message has not arrived yet
+        self.early_seeds = []      # MXPS_REPLAN_SEED: workers' weights of such a plan
         # MXPS_REPLAN_OVERLAP: workers push by a new plan while its state still moves:
         # requests of a plan whose PLAN has not arrived yet, and requests for a slice still
         # being built (target -> [(client, header, gradient copy or None)]), wait here
@@ -183,7 +184,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
                        "only PLAN is the server state's", self.rank, h)
             return []
         try:
-            version, old, new = read_plan(payload, self.num_servers, self.plan_version)
+            version, old, new, seeds = read_plan(payload, self.num_servers, self.plan_version)
         except PlanError as e:
             version = e.version
             if version is None:
@@ -195,7 +196,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         if self._trace is not None:
             self._plan_row("plan_received", version)
         try:
-            self._on_plan(version, old, new)
+            self._on_plan(version, old, new, seeds)
         except Exception as e:
             self._plan_failed(version, e)
         out = self._flush()
@@ -585,6 +586,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         MsgType.PUSH_ROWS: RowRequests._on_push_rows,
         MsgType.PULL_ROWS: RowRequests._on_pull_rows,
         MsgType.MIGRATE: Migrating._on_migrate,
+        MsgType.SEED: Migrating._on_seed,
         MsgType.PROBE: _on_probe,
         MsgType.INIT: _on_init,
         MsgType.PUSH: _on_push,

@@ -90,6 +90,9 @@ class MsgType(enum.IntEnum):
                         # payload {cols, ids}; answered with DATA (the rows' elements in it)
     INIT_TABLE = 33     # rank 0 -> server: a slice's initial value as a rule, typed payload
                         # {scale, seed} (mxps.store.table_init); `iteration`: the row width
+    SEED = 34           # worker -> server: a moved part's weights from the worker's own copy
+                        # (MXPS_REPLAN_SEED: they need not cross the old owner's link);
+                        # answered with ACK
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)
