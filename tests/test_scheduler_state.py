@@ -392,12 +392,12 @@ def test_a_new_plan_goes_to_the_servers_and_workers_wait_for_every_ack():
 
 
 def test_with_seeds_every_changed_part_is_given_to_a_worker_and_the_release_waits_for_acks():
-    # MXPS_REPLAN_SEED: every worker reported it holds the weights; the PLAN names who sends
+    # MXPS_REPLAN_SEED: every worker reported it holds the keys' weights; the PLAN names who sends
     # each part that changes server, each worker gets its own tasks at once, and the release
     # (the new table) still waits for every server's ack
     job = started()
-    job.send(b"w1", MsgType.REPLAN, dict(report(2, force=1), seed=True))
-    step = job.send(b"w0", MsgType.REPLAN, dict(report(2, force=1, lead=True), seed=True))
+    job.send(b"w1", MsgType.REPLAN, dict(report(2, force=1), seed=[0, 1]))
+    step = job.send(b"w0", MsgType.REPLAN, dict(report(2, force=1, lead=True), seed=[0, 1]))
     plan = sent(step, MsgType.PLAN)[b"s0"][0]
     new = table_from_json(plan["new"])
     seeds = plan["seeds"]
@@ -416,10 +416,13 @@ def test_with_seeds_every_changed_part_is_given_to_a_worker_and_the_release_wait
     job.send(b"s1", MsgType.PLAN, {"version": 1, "moved_bytes": 0})
     step = job.send(b"s0", MsgType.PLAN, {"version": 1, "moved_bytes": 0})
     assert table_from_json(sent(step, MsgType.REPLAN)[b"w0"][0]["table"]) == new
-    # a worker that cannot seed (no seed: true) makes the move send the weights as before
-    job.send(b"w1", MsgType.REPLAN, dict(report(3, force=1), seed=True))
-    step = job.send(b"w0", MsgType.REPLAN, report(3, force=1, lead=True))
-    assert "seeds" not in sent(step, MsgType.PLAN)[b"s0"][0] and not sent(step, MsgType.REPLAN)
+    # only keys every worker holds are seeded (here key 1: worker 0 does not hold key 0, as
+    # a key only pulled at the start, such as BatchNorm's running statistics); a move of the
+    # others carries the weights as before
+    job.send(b"w1", MsgType.REPLAN, dict(report(3, force=1), seed=[0, 1]))
+    step = job.send(b"w0", MsgType.REPLAN, dict(report(3, force=1, lead=True), seed=[1]))
+    seeds = sent(step, MsgType.PLAN)[b"s0"][0].get("seeds", [])
+    assert {k for k, *_ in seeds} <= {1}
 
 
 def test_overlapped_a_new_plan_releases_the_workers_with_it_and_the_next_point_waits_for_acks():

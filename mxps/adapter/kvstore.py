@@ -58,7 +58,7 @@ class KeyError_(KeyError):
 
 class _Key:
     __slots__ = ("name", "id", "shape", "dtype", "code", "size", "slices", "pushes", "seq",
-                 "reduce_buf", "pull_buf", "cols", "residual", "held")
+                 "reduce_buf", "pull_buf", "cols", "residual", "held", "held_round")
 
     def __init__(self, name, id_, shape, dtype, slices):
         self.name = name
@@ -76,8 +76,10 @@ class _Key:
         # before MXNet copies them onto arrays that are not in host memory (GPUs)
         self.reduce_buf = None
         self.pull_buf = None
-        # the host array the last pull filled: the weights after it (MXPS_REPLAN_SEED)
+        # the host array the last pull filled, and the round it was of: the weights after
+        # that round, unless the worker changed them since (MXPS_REPLAN_SEED)
         self.held = None
+        self.held_round = -1
         # gradient compression: what quantization has not sent yet, over the whole key (so a
         # re-plan that moves the key's slices re-slices it as it is), made on the first push
         self.residual = None
@@ -592,7 +594,7 @@ class MXPS(KVStoreBase):
             self._full_next = answer.get("full_next", True)
         full = self._full_next or not self._cfg.replan_light
         report = {"round": r, "traffic": self._metrics.take_recent(), "full": full,
-                  "seed": self._can_seed(),
+                  "seed": self._seedable(r),
                   "force": self._cfg.replan_force, "min_slice": self._cfg.min_slice,
                   "max_chunk": self._cfg.max_chunk,
                   "min_gain": self._cfg.replan_min_gain, "horizon": self._cfg.replan_horizon}
@@ -630,14 +632,17 @@ class MXPS(KVStoreBase):
         self._metrics.new_plan(r, self._plan.version, answer.get("moved_bytes", 0))
         log.info("worker %d: plan %d from round %d", self.rank, self._plan.version, r)
 
-    def _can_seed(self):
-        """Whether this worker holds every key's weights as the servers do (MXPS_REPLAN_SEED):
-        in sync mode with the optimizer on the servers, each pull leaves them in the array it
-        filled, unchanged until the next one (Gluon and Module do not write their weights when
-        the servers update); rows pulled by row_sparse_pull are not a whole key."""
-        return bool(self._cfg.replan_seed and self._cfg.mode == "sync"
-                    and self._optimizer is not None and self._keys
-                    and all(k.held is not None for k in self._keys.values()))
+    def _seedable(self, r):
+        """The keys whose weights this worker holds as the servers do at the point before round
+        ``r`` (MXPS_REPLAN_SEED): in sync mode with the optimizer on the servers, a key whose
+        last pull was of round r - 1 has them in the array that pull filled (Gluon and Module
+        do not write weights the servers update).  A key pulled only at the start (Gluon's
+        BatchNorm running statistics, which the forward pass changes on the worker) or only by
+        row_sparse_pull is not one."""
+        if not (self._cfg.replan_seed and self._cfg.mode == "sync" and self._optimizer):
+            return []
+        return sorted(k.id for k in self._keys.values()
+                      if k.held is not None and k.held_round >= r - 1)
 
     def _send_seeds(self, version, tasks):
         """Each task [key, offset, length, server]: that part of the key's held weights to
@@ -683,7 +688,7 @@ class MXPS(KVStoreBase):
             self._check(k, outs, "pull")
             dst, rest = self._pull_target(k, outs)
             self._launch(k, MsgType.PULL, None, dst, priority)
-            k.held = dst
+            k.held, k.held_round = dst, k.pushes
             self._copy_out(dst, rest)
 
     def pushpull(self, key, value, out=None, priority=0):
@@ -704,7 +709,7 @@ class MXPS(KVStoreBase):
             dst, rest = self._pull_target(k, outs)
             self._next_push(k)
             self._launch(k, MsgType.PUSHPULL, grad, dst, priority)
-            k.held = dst
+            k.held, k.held_round = dst, k.pushes
             self._copy_out(dst, rest)
 
     @staticmethod

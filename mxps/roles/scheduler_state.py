@@ -190,9 +190,11 @@ def _replan_report(payload, num_servers):
     def bad(what):
         return MalformedBody("REPLAN of round %d: %s" % (report["round"], what))
 
-    for name in ("full", "seed"):
-        if not isinstance(report.get(name, True), bool):
-            raise bad("%r is not true or false" % name)
+    if not isinstance(report.get("full", True), bool):
+        raise bad("'full' is not true or false")
+    seed = report.get("seed", [])
+    if not isinstance(seed, list) or not all(map(_integer, seed)):
+        raise bad("'seed' is not a list of keys")
     traffic = report.get("traffic", {})
     if not isinstance(traffic, dict):
         raise bad("'traffic' is not an object")
@@ -604,8 +606,9 @@ class SchedulerState:
         else:
             # MXPS_REPLAN_SEED: every worker holds the weights its last pull got, so a quiescent
             # move can take them from the workers (docs/REPLAN.md)
-            seed = not self.cfg.replan_overlap and all(r.get("seed") is True
-                                                       for r in reports.values())
+            seed = set()
+            if not self.cfg.replan_overlap:     # the keys every worker holds
+                seed = set.intersection(*(set(r.get("seed") or ()) for r in reports.values()))
             self._send_plan(round_, old, table, full_next, seed)
 
     def _decide(self, round_, is_full, reports):
@@ -668,13 +671,13 @@ class SchedulerState:
         self._release({"version": self.plan_version, "table": None,
                        "rates": self.replanner.rates, "full_next": full_next})
 
-    def _seeds(self, old, table):
-        """The weights that change server, as [key, offset, length, server, worker] tasks:
-        every part of an old slice that a new slice on another server takes, the workers
-        taking turns."""
+    def _seeds(self, old, table, keys):
+        """The weights of ``keys`` that change server, as [key, offset, length, server, worker]
+        tasks: every part of an old slice that a new slice on another server takes, the
+        workers taking turns."""
         workers = sorted(n.rank for n in self._live_workers())
         tasks = []
-        for key in sorted(table):
+        for key in sorted(k for k in table if k in keys):
             for n in table[key]:
                 for o in old.get(key, ()):
                     lo, hi = max(n.offset, o.offset), min(n.stop, o.stop)
@@ -683,7 +686,7 @@ class SchedulerState:
                                       workers[len(tasks) % len(workers)]])
         return tasks
 
-    def _send_plan(self, round_, old, table, full_next, seed=False):
+    def _send_plan(self, round_, old, table, full_next, seed=()):
         self.plan_version += 1
         # "planned": the weights' bytes that change server; "moved": what the servers report
         # they sent for them (values and optimizer state), known once all are in place
@@ -693,7 +696,7 @@ class SchedulerState:
                              "full_next": full_next, "deadline": self._now + self.cfg.timeout}
         plan = {"version": self.plan_version, "old": table_to_json(old),
                 "new": table_to_json(table)}
-        tasks = self._seeds(old, table) if seed else None
+        tasks = self._seeds(old, table, seed) if seed else None
         if tasks:
             plan["seeds"] = [[k, off, n, w] for k, off, n, _, w in tasks]
         body = json.dumps(plan).encode()
