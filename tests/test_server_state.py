@@ -461,6 +461,23 @@ class Pair:
         while self.queue:
             self.deliver()
 
+    def route_to_workers(self):
+        """``route``, keeping what the servers send workers (replies to requests that waited
+        for a slice): those Outs, in order."""
+        outs = []
+        while self.queue:
+            item = self.queue.pop(0)
+            if item[0] == "request":
+                _, to, frm, h, payload = item
+                got = self.servers[to].on_request(b"peer%d" % frm, h, payload)
+            else:
+                _, to, frm, h = item
+                got = self.servers[to].on_peer_reply(frm, h)
+            to_worker = [o.to == Out.CLIENT and not o.dest.startswith(b"peer") for o in got]
+            outs += [o for o, w in zip(got, to_worker) if w]
+            self.take(to, [o for o, w in zip(got, to_worker) if not w])
+        return outs
+
 
 def adam_pair(value, directory=None):
     """Two servers with Adam, key 5 on server 0 (``directory``: in disk stores under it)."""
@@ -623,18 +640,7 @@ def test_overlapped_pushes_for_a_slice_still_being_built_are_acked_and_summed_on
     assert not send(s1, MsgType.PULL, 5, it=3, offset=x.offset, length=x.length, version=1)
     assert (5, 3) not in s1.slots and len(s1.deferred[(5, 3)]) == 3
     net.plan(0, 1, OLD, NEW)                          # server 0 cuts and sends the part
-    outs = []
-    while net.queue:                                  # deliver, keeping what goes to workers
-        item = net.queue.pop(0)
-        if item[0] == "request":
-            _, to, frm, h, payload = item
-            got = net.servers[to].on_request(b"peer%d" % frm, h, payload)
-        else:
-            _, to, frm, h = item
-            got = net.servers[to].on_peer_reply(frm, h)
-        outs += [o for o in got if o.to == Out.CLIENT and not o.dest.startswith(b"peer")]
-        net.take(to, [o for o in got if not (o.to == Out.CLIENT and
-                                             not o.dest.startswith(b"peer"))])
+    outs = net.route_to_workers()
     assert (type(s1.slots[(5, 3)].store).__name__ == "DiskSlice") is (store == "disk")
     assert not s1.deferred and s1.slots[(5, 3)].applied == 3
     pulled = value_of(only(outs, MsgType.DATA))       # the waiting pull, answered
@@ -676,18 +682,7 @@ def test_overlapped_row_requests_for_a_slice_still_being_built_wait_for_it():
                                                      version=1))
     assert (5, 3) not in s1.slots and len(s1.deferred[(5, 3)]) == 3
     net.plan(0, 1, OLD, NEW)
-    outs = []
-    while net.queue:
-        item = net.queue.pop(0)
-        if item[0] == "request":
-            _, to, frm, h, payload = item
-            got = net.servers[to].on_request(b"peer%d" % frm, h, payload)
-        else:
-            _, to, frm, h = item
-            got = net.servers[to].on_peer_reply(frm, h)
-        outs += [o for o in got if o.to == Out.CLIENT and not o.dest.startswith(b"peer")]
-        net.take(to, [o for o in got if not (o.to == Out.CLIENT and
-                                             not o.dest.startswith(b"peer"))])
+    outs = net.route_to_workers()
     assert not s1.deferred and s1.slots[(5, 3)].applied == 3
     # row 1 holds elements 2 and 3: the slice at 3 answers element 3 only
     np.testing.assert_allclose(value_of(only(outs, MsgType.DATA)), want[1:], rtol=1e-6)
