@@ -176,18 +176,21 @@ class Wsp:
         it closed (``ltp_may_close`` let it)."""
         if rnd.ltp is not None:
             return rnd.closed
-        if not rnd.senders:
-            return False
+        return bool(rnd.senders) and self._may_complete(slot, r, rnd.senders)
+
+    def _may_complete(self, slot, r, contributors):
+        """WSP's rule for round ``r`` with these contributors: k of them within the staleness
+        bound, or, before a re-plan point, every worker's own push."""
         ws = self.of(slot)
+        if wsp_rules.before_point(r, self.settings.replan_every):
+            return all(ws.latest[w] >= r for w in range(self.num_workers)
+                       if w not in self.gone)
         k = self.settings.k
         if k <= 0:
             active = [w for w in range(self.num_workers) if w not in self.gone]
             times = ws.intervals()
             k = wsp_rules.choose_k([times[w] for w in active])
-        if wsp_rules.before_point(r, self.settings.replan_every):
-            return all(ws.latest[w] >= r for w in range(self.num_workers)
-                       if w not in self.gone)
-        return wsp_rules.may_complete(r, rnd.senders, ws.base, min(k, self.num_workers),
+        return wsp_rules.may_complete(r, contributors, ws.base, min(k, self.num_workers),
                                       self.settings.staleness, self.gone)
 
     def moved(self, slot):
@@ -224,18 +227,7 @@ class Wsp:
     def ltp_may_close(self, slot, r, rnd, participants):
         """The round's participants (the workers whose packets are in it) are a round WSP
         may complete (``ready``'s rule with them as the contributors)."""
-        ws = self.of(slot)
-        if wsp_rules.before_point(r, self.settings.replan_every):
-            return all(ws.latest[w] >= r for w in range(self.num_workers)
-                       if w not in self.gone)
-        k = self.settings.k
-        if k <= 0:
-            active = [w for w in range(self.num_workers) if w not in self.gone]
-            times = ws.intervals()
-            k = wsp_rules.choose_k([times[w] for w in active])
-        return wsp_rules.may_complete(r, set(participants), ws.base,
-                                      min(k, self.num_workers), self.settings.staleness,
-                                      self.gone)
+        return self._may_complete(slot, r, set(participants))
 
     def completing(self, rnd):
         """A round of n gradients is scaled to the expected sum of a full one."""
