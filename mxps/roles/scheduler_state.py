@@ -673,17 +673,18 @@ class SchedulerState:
 
     def _seeds(self, old, table, keys):
         """The weights of ``keys`` that change server, as [key, offset, length, server, worker]
-        tasks: every part of an old slice that a new slice on another server takes, the
-        workers taking turns."""
-        workers = sorted(n.rank for n in self._live_workers())
+        tasks: every part of an old slice that a new slice on another server takes, each to
+        the worker with the fewest elements to send so far (parts differ in size)."""
+        load = {n.rank: 0 for n in self._live_workers()}
         tasks = []
         for key in sorted(k for k in table if k in keys):
             for n in table[key]:
                 for o in old.get(key, ()):
                     lo, hi = max(n.offset, o.offset), min(n.stop, o.stop)
                     if hi > lo and o.server != n.server:
-                        tasks.append([key, lo, hi - lo, n.server,
-                                      workers[len(tasks) % len(workers)]])
+                        w = min(load, key=lambda r: (load[r], r))
+                        load[w] += hi - lo
+                        tasks.append([key, lo, hi - lo, n.server, w])
         return tasks
 
     def _send_plan(self, round_, old, table, full_next, seed=()):
