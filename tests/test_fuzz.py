@@ -747,10 +747,15 @@ def live_worker():
 
 
 def _completes(frames, req):
-    """Whether ``frames`` are a valid DATA reply to ``req`` (it would rightly complete it)."""
+    """Whether ``frames`` are a reply that rightly completes ``req``: a valid DATA reply, or
+    an ERROR (the server refused it; the worker hands it to the request's callback)."""
     try:
         h = wire.unpack(frames[0])
-        return (h.type == MsgType.DATA and h.request_id == req.request_id and len(frames) == 2
+        if h.request_id != req.request_id:
+            return False
+        if h.type == MsgType.ERROR:
+            return True
+        return (h.type == MsgType.DATA and len(frames) == 2
                 and wire.payload_array(h, frames[1]).size == 3)
     except WireError:
         return False

@@ -55,11 +55,16 @@ _VALUE_REQUESTS = frozenset((MsgType.PULL, MsgType.PUSHPULL))
 
 
 def _mismatch(request, h, payload):
-    """Why ``h`` (with ``payload``) cannot be the DATA answer to the value request ``request``,
-    or None: it must name the same key and elements, carry the request's dtype where the
+    """Why ``h`` (with ``payload``) cannot be the answer to the value request ``request``, or
+    None: an ACK never is (found by the reply fuzzer: an ACK carrying three floats completed a
+    pull); a DATA reply must name the same key and elements, carry the request's dtype where the
     request names one, and hold exactly that many values.  Other replies are their
     callbacks' to judge."""
-    if h.type != MsgType.DATA or request.type not in _VALUE_REQUESTS:
+    if request.type not in _VALUE_REQUESTS:
+        return None
+    if h.type == MsgType.ACK:           # a value request is answered with values or refused
+        return "an ACK answers no %s" % MsgType(request.type).name
+    if h.type != MsgType.DATA:
         return None
     if (h.key, h.offset, h.length) != (request.key, request.offset, request.length):
         return ("it answers key %d elements [%d, %d), the request asked for key %d [%d, %d)"
