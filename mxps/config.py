@@ -55,6 +55,9 @@ class Config:
     replan_light: bool = False
     replan_overlap: bool = False
     replan_seed: bool = False
+    # MXPS_FAILOVER (docs/FAILOVER.md): a lost server's slices go to the survivors and the job
+    # goes on; off: the job ends with exit code 3 naming the lost server
+    failover: bool = False
     replan_one_round: bool = True
     replan_window: int = 3
     trace: str = ""
@@ -414,6 +417,7 @@ def from_env(env=None, mode=None):
         replan_light=_bool(env, "MXPS_REPLAN_LIGHT", False),
         replan_overlap=_bool(env, "MXPS_REPLAN_OVERLAP", False),
         replan_seed=_bool(env, "MXPS_REPLAN_SEED", False),
+        failover=_bool(env, "MXPS_FAILOVER", False),
         replan_one_round=_bool(env, "MXPS_REPLAN_ONE_ROUND", True),
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),
@@ -433,6 +437,13 @@ def from_env(env=None, mode=None):
                           "(MXPS_PLAN=adaptive) do not go together yet: a checkpoint holds the "
                           "tables of the plan of its round, a resumed job starts from its "
                           "start-up plan; set MXPS_REPLAN_INTERVAL=0 or another MXPS_PLAN")
+    if cfg.failover and cfg.mode != "sync":
+        raise ConfigError("MXPS_FAILOVER=1 needs MXPS_MODE=sync (dist_sync): a successor "
+                          "rebuilds a lost slice from the rounds every worker pulled; in %s "
+                          "mode workers hold weights of different rounds" % cfg.mode)
+    if cfg.failover and cfg.push == "ltp":
+        raise ConfigError("MXPS_FAILOVER=1 and MXPS_PUSH=ltp do not go together yet: an LTP "
+                          "push to a lost server cannot be sent again (use MXPS_PUSH=tcp)")
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError("MXPS_HEARTBEAT_TIMEOUT=%s must exceed twice MXPS_HEARTBEAT_INTERVAL=%s"
                           % (cfg.heartbeat_timeout, cfg.heartbeat_interval))

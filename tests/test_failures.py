@@ -267,6 +267,8 @@ CONFIG_CASES = [
                                             "MXPS_HEARTBEAT_INTERVAL": "1"}},
     {"name": "no_scheduler", "env": {"MXPS_START_TIMEOUT": "3"}},
     {"name": "fault_point_unknown", "env": {"MXPS_FAULT_POINT": "nowhere"}},
+    {"name": "failover_ltp", "env": {"MXPS_FAILOVER": "1", "MXPS_PUSH": "ltp"}},
+    {"name": "failover_wsp", "env": {"MXPS_FAILOVER": "1", "MXPS_MODE": "wsp"}},
 ]
 
 
@@ -285,7 +287,33 @@ def _config():
         shutil.rmtree(out, ignore_errors=True)
 
 
+def _failover(kill, momentum="0"):
+    """MXPS_FAILOVER: 2 workers train 20 steps on 3 servers (the optimizer on them; the keys
+    split over all three), and, with ``kill``, server s1 is killed after 5; the job must go
+    on.  Without: the uninterrupted run to compare with."""
+    def body(job):
+        job.wait_files(["ready_rank0.json", "ready_rank1.json"], START_TIMEOUT)
+        killed_at = None
+        if kill:
+            killed_at = time.monotonic()
+            job.kill(job.node("s1"))
+        job.wait_all_exit(START_TIMEOUT)
+        weights = [dict(np.load(os.path.join(job.out, "weights_rank%d.npz" % r)))
+                   if os.path.exists(os.path.join(job.out, "weights_rank%d.npz" % r)) else None
+                   for r in (0, 1)]
+        return job, killed_at, weights, runner.read_job_info(
+            os.path.join(os.path.dirname(job.out), "job-info.json"))
+
+    env = {"FAULT_MODE": "train", "FAULT_STEPS": "20", "FAULT_STEP_SLEEP": "0.1",
+           "FAULT_READY_STEPS": "5", "FAULT_ON_SERVERS": "1", "FAULT_MOMENTUM": momentum,
+           "MXPS_FAILOVER": "1", "MXNET_KVSTORE_BIGARRAY_BOUND": "50",
+           "MXPS_HEARTBEAT_INTERVAL": "0.5", "MXPS_HEARTBEAT_TIMEOUT": "3"}
+    return lambda: _scenario_job("failover-%s-%s" % (kill, momentum), 2, 3, env, body)
+
+
 SCENARIOS = {
+    "failover_kill": _failover(True),
+    "failover_reference": _failover(False),
     "kill_worker": _killed("worker"),
     "kill_server": _killed("server"),
     "kill_scheduler": _killed("scheduler"),
@@ -301,9 +329,9 @@ SCENARIOS.update({"matrix:" + c: (lambda c=c: matrix.run_trial(matrix.Cell.parse
                   for c in MATRIX_SUBSET})
 
 
-def uses(name):
+def uses(*names):
     def mark(fn):
-        fn.scenario = name
+        fn.scenario = names
         return fn
     return mark
 
@@ -319,11 +347,11 @@ def scenarios(request):
     """Start every scenario the selected tests of this module use, concurrently."""
     wanted = []
     for item in request.session.items:
-        name = getattr(getattr(item, "function", None), "scenario", None)
-        if name == "matrix":
-            name = "matrix:" + item.callspec.params["cell"]
-        if item.module is request.module and name and name not in wanted:
-            wanted.append(name)
+        for name in getattr(getattr(item, "function", None), "scenario", None) or ():
+            if name == "matrix":
+                name = "matrix:" + item.callspec.params["cell"]
+            if item.module is request.module and name not in wanted:
+                wanted.append(name)
     wanted.sort(key=lambda name: not _waits_for_a_start_deadline(name))   # stable: long first
     pool = concurrent.futures.ThreadPoolExecutor(PARALLEL_SCENARIOS)
     futures = {name: pool.submit(SCENARIOS[name]) for name in wanted}
@@ -415,6 +443,38 @@ def test_node_killed_or_frozen_at_a_phase_ends_every_survivor_with_code_3_naming
     assert not trial.setup_failed, "the phase was never reached: " + trial.detail
     assert not trial.hang, "a survivor hangs: " + trial.detail
     assert trial.ok, trial.detail
+
+
+# --------------------------------------------------------------------------------------------
+# 1c. failover (MXPS_FAILOVER): a killed server's keys go to the others and the job goes on
+
+@uses("failover_kill", "failover_reference")
+def test_with_failover_a_killed_servers_job_completes_with_the_uninterrupted_runs_weights(
+        scenarios):
+    job, killed_at, weights, info = _result(scenarios, "failover_kill")
+    ref_job, _, ref, _ = _result(scenarios, "failover_reference")
+    detail = job.describe(since=killed_at)
+    victim = job.node("s1")
+    assert victim.returncode == -signal.SIGKILL, detail
+    for n in job.nodes:
+        if n is not victim:
+            assert n.returncode == 0, "%s exited %s\n%s" % (n.name, n.returncode, detail)
+    assert ref_job.job.result.ok, ref_job.describe()
+    ended = max(n.exited_at for n in job.nodes if n is not victim) - killed_at
+    (fo,) = info["failovers"]
+    print("\n[mxps failures] failover: server %d lost %.1f s into the job, its %d slices in "
+          "place %.3f s after, the job ended %.1f s after the kill" % (
+              fo["server"], fo["detected_at"], fo["slices"],
+              fo["in_place_at"] - fo["detected_at"], ended))
+    assert fo["slices"] >= 1 and fo["state_reset"] == [] and fo["in_place_at"] is not None
+    assert [s.get("lost", False) for s in info["servers"]].count(True) == 1
+    assert "its slices go to the other servers" in job.node("sched").stderr, detail
+    # plain SGD keeps no state: the weights are those of the run no server left, bit for bit
+    # (two workers' sums do not depend on their order)
+    for r in (0, 1):
+        assert weights[r] is not None and sorted(weights[r]) == sorted(ref[r]), detail
+        for name in ref[r]:
+            np.testing.assert_array_equal(weights[r][name], ref[r][name], err_msg=name)
 
 
 @uses("lost_shutdown")
@@ -627,6 +687,8 @@ def config_results(scenarios):
     ("no_root_uri", ["DMLC_PS_ROOT_URI is not set"]),
     ("heartbeat_too_short", ["MXPS_HEARTBEAT_TIMEOUT=1", "MXPS_HEARTBEAT_INTERVAL=1"]),
     ("fault_point_unknown", ["MXPS_FAULT_POINT='nowhere'", "register"]),
+    ("failover_ltp", ["MXPS_FAILOVER=1", "MXPS_PUSH=ltp"]),
+    ("failover_wsp", ["MXPS_FAILOVER=1", "MXPS_MODE=sync", "wsp"]),
 ])
 def test_bad_setting_raises_config_error_naming_the_variable(config_results, case, variables):
     _, results = config_results

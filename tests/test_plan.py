@@ -300,3 +300,23 @@ def test_the_default_chunk_holds_2_mb_over_all_workers_between_256_kb_and_1_mb()
             assert config.from_env(env).max_chunk == int(v)
     with pytest.raises(config.ConfigError, match="MXPS_MAX_CHUNK"):
         config.from_env(dict(base, DMLC_NUM_WORKER="8", MXPS_MAX_CHUNK="-1"))
+
+
+def test_a_lost_servers_slices_go_whole_to_the_least_loaded_survivors_and_later_keys_avoid_it():
+    # MXPS_FAILOVER (placement.failover): every worker computes the same successor table
+    p = Plan(3, table={1: (Slice(0, 0, 10), Slice(1, 10, 30), Slice(2, 40, 10)),
+                       2: (Slice(1, 0, 5),), 3: (Slice(2, 0, 8),)})
+    q, moved = p.without(4, [1])
+    assert q.version == 4 and q.lost == {1}
+    # server 0 holds 10 elements, server 2 18: key 1's lost slice (30) goes to server 0, then
+    # key 2's (5) to server 2 (18 < 40); the survivors' slices stay where they were
+    assert q.table() == {1: (Slice(0, 0, 10), Slice(0, 10, 30), Slice(2, 40, 10)),
+                         2: (Slice(2, 0, 5),), 3: (Slice(2, 0, 8),)}
+    assert moved == {(1, 10): 0, (2, 0): 2}
+    assert q.without(5, [1])[1] == {}, "losing it twice moves nothing"
+    # a key placed after the loss by the rule puts nothing on the lost server
+    big = q.slices(9, 3 * 1000 * 1000)
+    assert sum(x.length for x in big) == 3 * 1000 * 1000 and all(x.server != 1 for x in big)
+    assert q.replaced(6, {}).lost == {1}
+    with pytest.raises(ValueError, match="no server survives"):
+        q.without(7, [0, 2])

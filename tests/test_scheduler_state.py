@@ -227,6 +227,57 @@ def test_a_silent_node_aborts_the_job_naming_it_once_the_heartbeat_timeout_passe
     assert not job.tick(5.0).sends, "the job ended; nothing more is sent"
 
 
+def test_with_failover_a_silent_server_is_left_behind_and_the_survivors_get_its_slices():
+    # MXPS_FAILOVER: server 1 goes silent; the workers are told (not aborted), the first
+    # worker's successor tables go to the surviving servers as a PLAN naming the lost one,
+    # their acks put the failover in the job's facts, and the job ends without waiting for
+    # the lost server's BYE
+    job = started(servers=3, heartbeat_timeout=10.0, failover=True)
+    for _ in range(10):
+        job.heartbeat_all(except_=[b"s1"], after=1.0)
+    step = job.tick(0.5)
+    assert step.exit is None and not sent(step, MsgType.ABORT)
+    notices = sent(step, MsgType.FAILOVER)
+    assert sorted(notices) == WORKERS and notices[b"w0"] == [{"version": 1, "dead": 1}]
+    old = {"0": [[0, 0, 4], [1, 4, 4], [2, 8, 4]], "1": [[1, 0, 6]]}
+    new = {"0": [[0, 0, 4], [0, 4, 4], [2, 8, 4]], "1": [[2, 0, 6]]}
+    step = job.send(b"w1", MsgType.FAILOVER, {"version": 1, "dead": 1, "old": old, "new": new})
+    plans = sent(step, MsgType.PLAN)
+    assert sorted(plans) == [b"s0", b"s2"]
+    assert plans[b"s0"] == [{"version": 1, "old": old, "new": new, "lost": [1]}]
+    assert not sent(job.send(b"w0", MsgType.FAILOVER, {"version": 1, "dead": 1, "old": old,
+                                                        "new": new}), MsgType.PLAN)
+    job.send(b"s0", MsgType.PLAN, {"version": 1, "moved_bytes": 0, "reset": []})
+    step = job.send(b"s2", MsgType.PLAN, {"version": 1, "moved_bytes": 0,
+                                          "reset": [[1, 0, 6]]})
+    (fo,) = step.facts["failovers"]
+    assert (fo["server"], fo["plan_version"], fo["slices"], fo["state_reset"]) == (
+        1, 1, 2, [[1, 0, 6]])
+    assert fo["in_place_at"] >= fo["detected_at"] > 10.0
+    assert [x.get("lost", False) for x in step.facts["servers"]] == [False, True, False]
+    # the lost server, back from a freeze, is told to go
+    assert sent(job.send(b"s1", MsgType.HEARTBEAT), MsgType.ABORT)[b"s1"]
+    for w in WORKERS:
+        step = job.send(w, MsgType.FINISH)
+    assert b"s1" not in job.state.leaving and job.state.leaving
+    # a second lost server leaves none to take its keys: the job ends naming it
+    job = started(heartbeat_timeout=10.0, failover=True)
+    job.tick(0.0)
+    for _ in range(11):
+        job.heartbeat_all(except_=[b"s0"], after=1.0)
+        step = job.tick(0.0)
+        if step.exit is not None:
+            break
+    job.send(b"w0", MsgType.FAILOVER, {"version": 1, "dead": 0, "old": {"0": [[0, 0, 2]]},
+                                       "new": {"0": [[1, 0, 2]]}})
+    for _ in range(11):
+        job.heartbeat_all(except_=[b"s0", b"s1"], after=1.0)
+        step = job.tick(0.0)
+        if step.exit is not None:
+            break
+    assert step.exit.code == EXIT_LOST_PEER and "lost server 1" in step.exit.reason
+
+
 def test_heartbeats_are_echoed_and_any_message_counts_as_one():
     job = started(heartbeat_timeout=10.0)
     assert sent(job.send(b"s1", MsgType.HEARTBEAT, after=6.0), MsgType.HEARTBEAT) == \
@@ -556,7 +607,7 @@ def test_the_facts_name_every_node_by_rank_after_the_rendezvous_and_the_points_a
                     {"rank": 1, "host": "127.0.0.3", "port": 5, "pid": 31}],
         "workers": [{"rank": 0, "host": "127.0.0.1", "port": 0, "pid": 22},
                     {"rank": 1, "host": "127.0.0.2", "port": 0, "pid": 21}],
-        "replan_points": [], "resume_round": None, "exit": None}
+        "replan_points": [], "failovers": [], "resume_round": None, "exit": None}
     assert job.send(b"w0", MsgType.BARRIER).facts is None, "facts are written twice, not often"
     # w1 is rank 0 (it sends the placement); the first point keeps the plan, the second is
     # forced (force=2) 3 s later

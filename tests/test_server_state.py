@@ -488,9 +488,10 @@ def adam_pair(value, directory=None):
             new_server(rank=1, optimizer=opt, store=stores[1])]
 
 
-def push_rounds(servers_and_slices, grads):
-    """Push ``grads`` (round -> per worker) of key 5 to the slices given as (server, Slice)."""
-    for it, per_worker in enumerate(grads, start=1):
+def push_rounds(servers_and_slices, grads, first=1):
+    """Push ``grads`` (round -> per worker, from round ``first``) of key 5 to the slices given
+    as (server, Slice)."""
+    for it, per_worker in enumerate(grads, start=first):
         for w, g in enumerate(per_worker):
             for s, x in servers_and_slices:
                 only(send(s, MsgType.PUSH, 5, w=w, it=it, offset=x.offset,
@@ -727,6 +728,110 @@ def test_a_part_for_a_superseded_plan_is_refused_and_fails_the_plan_at_its_sende
     net.route()
     (report,) = net.reports[0]
     assert report["error"] == "RequestError: plan 1: a moved part of key 5 was refused"
+
+
+# --- failover: a lost server's slices rebuilt on a survivor (MXPS_FAILOVER) -----------------
+
+LOST_OLD = {5: (Slice(0, 0, 3), Slice(2, 3, 5))}     # server 2 is lost ...
+LOST_NEW = {5: (Slice(0, 0, 3), Slice(1, 3, 5))}     # ... its slice goes whole to server 1
+
+
+def failover_plan(s, version=1, lost=(2,)):
+    body = json.dumps({"version": version, "old": table_to_json(LOST_OLD),
+                       "new": table_to_json(LOST_NEW), "lost": list(lost)}).encode()
+    return s.on_scheduler(Header(MsgType.PLAN), body)
+
+
+def lost_seed(s, w, it, value, version=1):
+    """Worker ``w``'s copy of the lost slice [3, 8) and the round its last pull of it got
+    (``value`` None: it never pulled it)."""
+    if value is None:
+        h = Header(MsgType.SEED, key=5, sender=w, iteration=it, plan_version=version,
+                   offset=3, length=5, request_id=next(_ids), dtype=NO_DTYPE)
+        return s.on_request(worker(w), h, None)
+    h, v = request(MsgType.SEED, 5, w=w, it=it, offset=3, value=value, version=version)
+    return s.on_request(worker(w), h, v)
+
+
+def resent(s, w, it, g, version=1):
+    """A push sent again after the failover (``wire.RESENT``)."""
+    h, v = request(MsgType.PUSH, 5, w=w, it=it, offset=3, value=g[3:], version=version)
+    h.flags |= 0x40
+    return s.on_request(worker(w), h, v)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_lost_slice_is_rebuilt_from_the_latest_round_a_worker_pulled_and_ends_as_if_no_loss(
+        momentum):
+    # server 2 applied round 2 of [3, 8); worker 0 pulled it, worker 1 did not (its pull and
+    # its round-2 push are sent again), worker 0's round-3 push was acknowledged and is sent
+    # again, then server 2 died.  Server 1 builds the slice from worker 0's weights, drops the
+    # round-2 push it applied already, and round 3 ends as on one server that kept everything
+    alone = new_server(optimizer=sgd(momentum), keys={5: VALUE})
+    push_rounds([(alone, OLD[5][0])], GRADS[:2])
+    round2 = alone.slots[(5, 0)].store.snapshot.copy()
+    round1_w1 = VALUE - 1.0 * (GRADS[0][0] + GRADS[0][1])     # what worker 1 pulled last
+    push_rounds([(alone, OLD[5][0])], GRADS[2:], first=3)
+    s0 = new_server(optimizer=sgd(momentum), keys={5: VALUE[:3]})
+    push_rounds([(s0, LOST_OLD[5][0])], GRADS[:2])
+    s1 = new_server(rank=1, optimizer=sgd(momentum))
+    for s in (s0, s1):
+        reports = [json.loads(o.payload) for o in failover_plan(s) if o.to == Out.SCHEDULER]
+        if s is s0:       # it keeps its slice as it is: nothing to build, nothing sent
+            assert reports == [{"version": 1, "moved_bytes": 0, "reset": []}]
+    assert s0.plan_version == s1.plan_version == 1 and (5, 3) not in s1.slots
+    only(lost_seed(s1, 1, 1, round1_w1[3:]), MsgType.ACK)
+    # worker 1's pull of round 2 and its round-2 push, sent again, wait for the slice
+    pull = send(s1, MsgType.PULL, 5, w=1, it=2, offset=3, length=5, version=1)
+    assert pull == []
+    only(resent(s1, 1, 2, GRADS[1][1]), MsgType.ACK)
+    outs = lost_seed(s1, 0, 2, round2[3:])
+    (report,) = [json.loads(o.payload) for o in outs if o.to == Out.SCHEDULER]
+    assert report == {"version": 1, "moved_bytes": 0,
+                      "reset": [[5, 3, 5]] if momentum else []}
+    slot = s1.slots[(5, 3)]
+    assert slot.applied == 2 and s1.resent_dropped == 1
+    np.testing.assert_array_equal(value_of(only(outs, MsgType.DATA)), round2[3:])
+    # round 3: worker 0's acknowledged push sent again, worker 1's new one; server 0 takes
+    # worker 0's push of the plan before the failover, and worker 1's of the new plan
+    only(resent(s1, 0, 3, GRADS[2][0]), MsgType.ACK)
+    only(send(s1, MsgType.PUSH, 5, w=1, it=3, offset=3, value=GRADS[2][1][3:], version=1),
+         MsgType.ACK)
+    for w, version in ((0, 0), (1, 1)):
+        only(send(s0, MsgType.PUSH, 5, w=w, it=3, value=GRADS[2][w][:3], version=version),
+             MsgType.ACK)
+    got = np.concatenate([
+        value_of(only(send(s0, MsgType.PULL, 5, it=3, length=3, version=0))),
+        value_of(only(send(s1, MsgType.PULL, 5, it=3, offset=3, length=5, version=1)))])
+    want = alone.slots[(5, 0)].store.snapshot
+    if momentum:        # the momentum of [3, 8) was on the lost server only: reset
+        assert not np.allclose(got[3:], want[3:])
+        np.testing.assert_allclose(got[:3], want[:3], rtol=1e-6)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    # a request of the plan before the failover for the moved slice is refused
+    assert "plan version 0" in error_text(send(s1, MsgType.PULL, 5, it=3, offset=3, length=5,
+                                               version=0))
+
+
+def test_a_lost_slice_no_worker_pulled_fails_the_plan_naming_it():
+    s1 = new_server(rank=1, optimizer=sgd())
+    failover_plan(s1)
+    only(lost_seed(s1, 0, 0, None), MsgType.ACK)
+    outs = lost_seed(s1, 1, 0, None)
+    (report,) = [json.loads(o.payload) for o in outs if o.to == Out.SCHEDULER]
+    assert "no worker holds key 5 [3, +5)" in report["error"], report
+    # a worker's second seed of it is refused
+    s1 = new_server(rank=1, optimizer=sgd())
+    failover_plan(s1)
+    only(lost_seed(s1, 0, 1, VALUE[3:]), MsgType.ACK)
+    assert "twice" in error_text(lost_seed(s1, 0, 1, VALUE[3:]))
+
+
+def test_a_plan_placing_a_key_on_a_lost_server_is_refused():
+    s1 = new_server(rank=1, optimizer=sgd())
+    (out,) = failover_plan(s1, lost=(1,))
+    assert "placed on a lost server" in json.loads(out.payload)["error"]
 
 
 # --- any interleaving against a reference model ------------------------------------------------

@@ -295,6 +295,9 @@ class MXPS(KVStoreBase):
                      " ".join("%.1f" % (r / 1e6) for r in self.server_rates))
         self._plan = Plan(self._client.num_servers, bigarray_bound=self._cfg.bigarray_bound,
                           rule=rule)
+        if self._cfg.failover:         # MXPS_FAILOVER (docs/FAILOVER.md, roles.reroute)
+            self._client.on_failover = self._failover
+            self._client.route = self._route
         path = self._cfg.metrics
         if path:
             path = path.format(rank=self.rank) if "{rank}" in path else \
@@ -631,6 +634,34 @@ class MXPS(KVStoreBase):
             self._trace_plans[self._plan.version] = plan_mod.table_to_json(self._plan.table())
         self._metrics.new_plan(r, self._plan.version, answer.get("moved_bytes", 0))
         log.info("worker %d: plan %d from round %d", self.rank, self._plan.version, r)
+
+    def _failover(self, version, dead):
+        """Server ``dead`` is lost (the I/O thread, at the scheduler's FAILOVER): the plan of
+        ``version`` puts its slices on the survivors (``Plan.without``).  Returns (the old
+        table, the new one, {(key, offset): (successor, length)})."""
+        if self._optimizer is None:
+            self._client.link.fail(
+                "server %d was lost and its keys cannot be rebuilt: MXPS_FAILOVER needs the "
+                "optimizer on the servers (update_on_kvstore / set_optimizer); with the "
+                "update on the workers the servers hold only each round's sum" % dead)
+        old = self._plan.table()
+        self._plan, moved = self._plan.without(version, [dead])
+        for k in list(self._keys.values()):
+            k.slices = self._plan.slices(k.id, k.size)
+        if self._trace_plans is not None:
+            self._trace_plans[version] = plan_mod.table_to_json(self._plan.table())
+        lengths = {(key, x.offset): x.length for key, slices in old.items() for x in slices}
+        return old, self._plan.table(), {part: (to, lengths[part])
+                                         for part, to in moved.items()}
+
+    def _route(self, key, offset):
+        """(server, plan version) of the slice of ``key`` at ``offset`` in the plan in force."""
+        plan = self._plan
+        for x in plan.table().get(key, ()):
+            if x.offset == offset:
+                return x.server, plan.version
+        self._client.link.fail("key %d has no slice at %d in plan %d" % (key, offset,
+                                                                        plan.version))
 
     def _seedable(self, r):
         """The keys whose weights this worker holds as the servers do at the point before round

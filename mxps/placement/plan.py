@@ -13,6 +13,8 @@ an array with fewer than ``MXNET_KVSTORE_BIGARRAY_BOUND`` elements goes whole to
 import dataclasses
 import math
 
+from .failover import successors
+
 
 class PlanError(ValueError):
     """A plan that does not place every element of a key exactly once."""
@@ -100,6 +102,9 @@ class Plan:
         self._rule = rule
         self._table = {}
         self._sizes = {}
+        # servers lost to a failover (placement.failover): a key placed later by ``rule``
+        # puts their slices on the survivors the same way
+        self.lost = frozenset()
         for key, slices in (table or {}).items():
             slices = tuple(slices)
             size = sum(x.length for x in slices)
@@ -113,6 +118,8 @@ class Plan:
         if s is None:
             s = self._rule(key, size, self.num_servers, self.bigarray_bound)
             check_slices(key, size, s, self.num_servers, one_per_server=False)
+            if self.lost and any(x.server in self.lost for x in s):
+                s = successors({key: s}, self.lost, self.num_servers)[0][key]
             self._table[key] = s
             self._sizes[key] = size
         elif self._sizes[key] != size:
@@ -130,11 +137,21 @@ class Plan:
     def replaced(self, version, table):
         """A plan of ``version`` placing ``table``'s keys as it says (the rest as this one)."""
         new = Plan(self.num_servers, version, table, self.bigarray_bound, self._rule)
+        new.lost = self.lost
         for key, slices in self._table.items():
             if key not in new._table:
                 new._table[key] = slices
                 new._sizes[key] = self._sizes[key]
         return new
+
+    def without(self, version, lost):
+        """The plan of ``version`` after ``lost`` (server ranks) are gone, and {(key,
+        offset): successor} of the slices that moved (``placement.failover``)."""
+        gone = self.lost | frozenset(lost)
+        table, moved = successors(self._table, gone, self.num_servers)
+        new = Plan(self.num_servers, version, table, self.bigarray_bound, self._rule)
+        new.lost = gone
+        return new, moved
 
     def elements_per_server(self):
         """Total elements each server holds under this plan (for bytes-per-server reports)."""

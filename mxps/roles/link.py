@@ -120,6 +120,15 @@ def parse_replan(payload):
     return body
 
 
+def parse_failover(payload):
+    """The scheduler's FAILOVER (MXPS_FAILOVER): {version, dead}, checked."""
+    body = _body(payload, "FAILOVER")
+    for name in ("version", "dead"):
+        if _field(body, name, int, "FAILOVER") < 0:
+            raise wire.WireError("FAILOVER: %s %r" % (name, body[name]))
+    return body
+
+
 def _failed(n):
     return "%d failed handshake%s" % (n, "" if n == 1 else "s")
 
@@ -197,6 +206,7 @@ class SchedulerLink:
         self.barrier_done = 0
         self.replan = None        # the scheduler's last answer at a re-plan point
         self.replans = 0          # how many answers so far
+        self.failovers = []       # FAILOVER notices (MXPS_FAILOVER) for the I/O thread
         # ``handle`` runs on the socket's owner thread (a worker's I/O thread); other threads
         # wait on this for what it changes (barrier releases, agreed rates, re-plan answers,
         # shutdown) instead of polling
@@ -352,6 +362,8 @@ class SchedulerLink:
             return parse_bandwidth(payload)
         if header.type == MsgType.REPLAN:
             return parse_replan(payload)
+        if header.type == MsgType.FAILOVER:
+            return parse_failover(payload)
         return None
 
     def receive(self):
@@ -394,6 +406,8 @@ class SchedulerLink:
         elif header.type == MsgType.REPLAN:
             self.replan = body
             self.replans += 1
+        elif header.type == MsgType.FAILOVER:
+            self.failovers.append(body)
 
     def fail(self, message, code=1):
         """Tell the scheduler this node failed (so the job ends now, with this message), then

@@ -26,19 +26,24 @@ log = logging.getLogger("mxps.server")
 class _Incoming:
     """A new slice this server is assembling: the parts so far, how many remote ones to come."""
 
-    __slots__ = ("slice", "expect", "parts")
+    __slots__ = ("slice", "expect", "parts", "lost")
 
     def __init__(self, slice_, expect):
         self.slice = slice_
         self.expect = expect
         self.parts = []
+        # MXPS_FAILOVER: a slice of a lost server; every worker's seed, worker -> (the round
+        # its last pull of the slice got, its weights or None, dtype code)
+        self.lost = None
 
 
 class _Migration:
     """One re-plan on this server: parts sent and not yet acknowledged, slices being built."""
 
-    def __init__(self, version, seeds=None):
+    def __init__(self, version, seeds=None, lost=()):
         self.version = version
+        self.lost = frozenset(lost)   # MXPS_FAILOVER: servers this plan leaves behind
+        self.reset = []           # ... lost slices whose optimizer state starts afresh
         # MXPS_REPLAN_SEED: (key, offset, length) -> the worker that sends those weights
         self.seeds = seeds or {}
         self.seeded = {}          # (key, offset) -> (weights a worker sent, worker)
@@ -152,7 +157,14 @@ def read_plan(payload, num_servers, current):
             for x in seeds):
         raise PlanError("plan %d: seeds are [key, offset, length, worker] counts" % version,
                         version)
-    return version, old, new, {(k, o, n): w for k, o, n, w in seeds}
+    lost = body.get("lost") or []
+    if not isinstance(lost, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lost):
+        raise PlanError("plan %d: lost is not a list of server ranks" % version, version)
+    for key, slices in new.items():
+        if any(x.server in lost for x in slices):
+            raise PlanError("plan %d: key %d placed on a lost server" % (version, key), version)
+    return version, old, new, {(k, o, n): w for k, o, n, w in seeds}, lost
 
 
 class Migrating:
@@ -275,13 +287,17 @@ class Migrating:
                 self._error(client, h, str(e))
         self._answer_waiting(slot)
 
-    def _on_plan(self, version, old, new, seeds=None):
+    def _on_plan(self, version, old, new, seeds=None, lost=()):
         """The scheduler's new plan.  Every worker has stopped with nothing in flight, so every
         round is complete: send each new owner its part of this server's old slices (value,
         optimizer state, update count), keep the part that stays, and build each new slice once
-        all of its parts are here; then tell the scheduler."""
-        mig = self.migration = _Migration(version, seeds)
+        all of its parts are here; then tell the scheduler.  A failover plan (``lost``
+        servers) moves only the lost servers' slices, each whole to one successor, while the
+        workers go on: requests of the plan before it stay valid for the slices it leaves."""
+        mig = self.migration = _Migration(version, seeds, lost)
         self.plan_version = version
+        if not lost:
+            self.plan_floor = version
         self._unfast()
         parts = []                         # (destination server, part)
         for key, slices in new.items():
@@ -289,8 +305,11 @@ class Migrating:
             if before == slices:
                 continue
             empty = sum(x.length for x in slices) == 0
+            # a failover moves only the lost slices: this server's stay as they are, their
+            # rounds in progress too
+            stay = set(before) & set(slices) if mig.lost else ()
             for o in before:
-                if o.server != self.rank:
+                if o.server != self.rank or o in stay:
                     continue
                 slot = self.slots.get((key, o.offset))
                 if slot is None or slot.length != o.length:
@@ -306,14 +325,22 @@ class Migrating:
                         parts.append((x.server, self._cut(slot, lo, hi, x.offset)))
                 self._drop(slot)
             for n in slices:
-                if n.server == self.rank:
-                    expect = sum(1 for x in before if x.server != self.rank and
-                                 (min(x.stop, n.stop) > max(x.offset, n.offset) or empty))
-                    mig.incoming[(key, n.offset)] = _Incoming(n, expect)
+                if n.server == self.rank and n not in stay:
+                    over = [x for x in before if x.server != self.rank and
+                            (min(x.stop, n.stop) > max(x.offset, n.offset) or empty)]
+                    inc = _Incoming(n, sum(1 for x in over if x.server not in mig.lost))
+                    if any(x.server in mig.lost for x in over):
+                        if len(over) != 1 or (over[0].offset, over[0].length) != (n.offset,
+                                                                                  n.length):
+                            raise RequestError("plan %d: key %d's slice at %d does not take "
+                                               "a lost slice whole" % (version, key, n.offset))
+                        inc.lost = {}
+                    mig.incoming[(key, n.offset)] = inc
         for dest, part in parts:           # what stays here first, then what arrived early
             if dest == self.rank:
                 self._add_part(mig, part, remote=False)
-        for target in [t for t, inc in mig.incoming.items() if inc.expect == 0]:
+        for target in [t for t, inc in mig.incoming.items()
+                       if inc.expect == 0 and inc.lost is None]:
             self._install(mig, target)
         early, self.early_parts = self.early_parts, []
         for v, part in early:
@@ -414,7 +441,8 @@ class Migrating:
 
     def _maybe_install(self, mig, target):
         inc = mig.incoming.get(target)
-        if inc is not None and inc.expect == 0 and all("value" in p for p in inc.parts):
+        if inc is not None and inc.expect == 0 and all("value" in p for p in inc.parts) \
+                and (inc.lost is None or inc.parts):
             self._install(mig, target)
 
     def _seed_part(self, mig, part, value, worker):
@@ -435,11 +463,14 @@ class Migrating:
 
     def _on_seed(self, client, h, payload):
         """SEED (MXPS_REPLAN_SEED): a worker's copy of a moved part's weights."""
-        value = np.array(wire.payload_array(h, payload), copy=True)
+        if h.dtype == wire.NO_DTYPE and (payload is None or not payload_bytes(payload)):
+            value = None      # MXPS_FAILOVER: this worker never pulled the lost slice
+        else:
+            value = np.array(wire.payload_array(h, payload), copy=True)
         if h.plan_version == self.plan_version + 1 and (
                 self.migration is None or self.migration.version != h.plan_version):
-            if sum(v.nbytes for _, _, v in self.early_seeds) + value.nbytes > \
-                    self.EARLY_BYTES:
+            if sum(v.nbytes for _, _, v in self.early_seeds if v is not None) + (
+                    0 if value is None else value.nbytes) > self.EARLY_BYTES:
                 raise RequestError("key %d: more than %d MB of seeds of plan %d before its "
                                    "PLAN arrived" % (h.key, self.EARLY_BYTES >> 20,
                                                      h.plan_version))
@@ -457,6 +488,13 @@ class Migrating:
         self._reply(client, h, MsgType.ACK, length=0)
 
     def _take_seed(self, mig, h, value):
+        inc = mig.incoming.get((h.key, h.offset))
+        if inc is not None and inc.lost is not None:
+            self._take_lost_seed(mig, inc, h, value)
+            return
+        if value is None:
+            raise RequestError("plan %d: worker %d sent no weights for key %d [%d, +%d)"
+                               % (mig.version, h.sender, h.key, h.offset, h.length))
         if mig.seeds.get((h.key, h.offset, h.length)) != h.sender:
             raise RequestError("plan %d: worker %d sent weights of key %d [%d, +%d), which "
                                "the plan does not ask of it" % (mig.version, h.sender, h.key,
@@ -469,6 +507,51 @@ class Migrating:
                     self._maybe_done(mig)
                     return
         mig.seeded[(h.key, h.offset)] = (value, h.sender)
+
+    def _take_lost_seed(self, mig, inc, h, value):
+        """MXPS_FAILOVER: one worker's copy of a lost slice (None: it never pulled it) and the
+        round its last pull of it got.  With every worker's in, the slice is built from the
+        latest: a worker that pulled round r got the lost server's weights after r rounds,
+        and every push of a later round comes again (``wire.RESENT``)."""
+        n = inc.slice
+        if h.length != n.length:
+            raise RequestError("plan %d: worker %d sent %d elements for key %d's lost slice "
+                               "[%d, +%d)" % (mig.version, h.sender, h.length, h.key,
+                                              n.offset, n.length))
+        if h.sender in inc.lost:
+            raise RequestError("plan %d: worker %d sent key %d's lost slice at %d twice"
+                               % (mig.version, h.sender, h.key, n.offset))
+        inc.lost[h.sender] = (h.iteration, value, h.dtype)
+        if len(inc.lost) < self.num_workers:
+            return
+        held = [(r, w) for w, (r, v, _) in inc.lost.items() if v is not None]
+        if not held:
+            raise RequestError("plan %d: no worker holds key %d [%d, +%d) of the lost server: "
+                               "its weights are lost (no worker pulled it)"
+                               % (mig.version, h.key, n.offset, n.length))
+        r, w = max(held)
+        _, value, dtype = inc.lost[w]
+        inc.parts = [{"key": h.key, "target": n.offset, "offset": n.offset,
+                      "length": n.length, "dtype": dtype, "value": value, "applied": r,
+                      "cols": 0}]
+        if self.updater is not None and self._stateful(value):
+            mig.reset.append([h.key, n.offset, n.length])
+        log.warning("server %d: plan %d: key %d [%d, +%d) of a lost server rebuilt from "
+                    "worker %d's weights after round %d%s", self.rank, mig.version, h.key,
+                    n.offset, n.length, w, r, ", its optimizer state reset"
+                    if mig.reset and mig.reset[-1][:2] == [h.key, n.offset] else "")
+        self._maybe_install(mig, (h.key, n.offset))
+        self._maybe_done(mig)
+
+    def _stateful(self, value):
+        """Whether the optimizer keeps state for a slice like ``value`` (what a lost slice's
+        successor starts afresh)."""
+        import mxnet as mx
+        try:
+            return self.updater.optimizer.create_state(
+                0, mx.nd.zeros((1,), dtype=value.dtype)) is not None
+        except Exception:
+            return True
 
     def _install(self, mig, target):
         """Build this server's new slice ``target`` (key, offset) from its parts."""
@@ -510,6 +593,7 @@ class Migrating:
                 opt = self.updater.optimizer
                 update_counts(opt)[slot.index] = max(counts)
                 opt.num_update = max(opt.num_update, max(counts))
+        slot.since = mig.version
         self.slots[target] = slot
         self._unfast()
         if self._trace is not None:
@@ -531,7 +615,10 @@ class Migrating:
         mig.done = True
         if self._trace is not None:
             self._plan_row("plan_in_place", mig.version, nbytes=mig.moved)
-        self._to_scheduler({"version": mig.version, "moved_bytes": mig.moved})
+        ack = {"version": mig.version, "moved_bytes": mig.moved}
+        if mig.lost:
+            ack["reset"] = mig.reset
+        self._to_scheduler(ack)
         log.info("server %d: plan %d in place (%d bytes sent)", self.rank, mig.version,
                  mig.moved)
 

@@ -45,7 +45,7 @@ class Slot:
     ``store.memory.MemorySlice`` or ``store.disk.DiskSlice``)."""
 
     __slots__ = ("key", "offset", "length", "dtype_code", "store", "applied", "rounds",
-                 "waiting", "index", "spans", "wsp", "cols")
+                 "waiting", "index", "spans", "wsp", "cols", "since")
 
     def __init__(self, key, offset, length, dtype_code, store):
         self.key = key
@@ -61,6 +61,7 @@ class Slot:
         self.spans = ltp_close.Deadline()           # LTP: recent rounds' spans, backoff
         self.wsp = None                 # MXPS_MODE=wsp: the slice's wsp.SliceWsp
         self.cols = 0                   # the key's row width (INIT), 0: unknown
+        self.since = 0                  # the plan version that placed the slice here
 
 
 class Bsp:

@@ -46,6 +46,7 @@ from ..placement.plan import PlanError, check_slices, table_from_json, table_to_
 from ..store import checkpoints
 from ..wire.frame import Header, MsgType
 from .link import EXIT_LOST_PEER
+from .scheduler_failover import Failover
 
 log = logging.getLogger("mxps.scheduler")
 
@@ -55,7 +56,8 @@ CLEAN_EXIT_REASON = "all workers finished"
 # what each role sends the scheduler once the job has started (anything else from a node is
 # dropped and counted: a server's BARRIER must not open a barrier for a worker)
 SENDS = {"worker": frozenset((MsgType.HEARTBEAT, MsgType.BARRIER, MsgType.BANDWIDTH,
-                              MsgType.REPLAN, MsgType.FINISH, MsgType.ABORT)),
+                              MsgType.REPLAN, MsgType.FINISH, MsgType.ABORT,
+                              MsgType.FAILOVER)),
          "server": frozenset((MsgType.HEARTBEAT, MsgType.PLAN, MsgType.ABORT))}
 # a finished worker only waits for the SHUTDOWN
 AFTER_FINISH = frozenset((MsgType.HEARTBEAT, MsgType.FINISH, MsgType.ABORT))
@@ -85,7 +87,7 @@ class Step:
 
 class Node:
     __slots__ = ("ident", "role", "host", "port", "pid", "mode", "rank", "last_heard",
-                 "finished", "watched", "seal", "checkpoints")
+                 "finished", "watched", "seal", "checkpoints", "lost")
 
     def __init__(self, ident, role, host, port, pid, mode, now):
         self.ident = ident
@@ -100,6 +102,7 @@ class Node:
         self.watched = True
         self.seal = ""            # a server's data-plane nonce, hex (mxps.wire.seal)
         self.checkpoints = None   # a resumed store's {server rank: [rounds]} (a server's)
+        self.lost = False         # a server the job went on without (MXPS_FAILOVER)
 
     def describe(self):
         rank = self.rank if self.rank >= 0 else "?"
@@ -110,6 +113,8 @@ class Node:
                 "port": self.port, "pid": self.pid}
         if self.seal:
             fact["seal"] = self.seal      # a salt, not a secret (mxps.wire.seal)
+        if self.lost:
+            fact["lost"] = True
         return fact
 
 
@@ -235,7 +240,7 @@ def address_order(node):
     return (str(type(host)), host, node.port, node.pid)
 
 
-class SchedulerState:
+class SchedulerState(Failover):
     """All of the scheduler's protocol state; see the module docstring.  ``now`` is a
     monotonic time in seconds, supplied by the caller with every input."""
 
@@ -258,6 +263,7 @@ class SchedulerState:
         self.pending_plan = None   # a plan the servers are moving state for
         self.overlapped = set()    # rounds a move overlapped: not timed (_decide)
         self.points = []           # the job facts' "replan_points"
+        self.failovers = []        # the job facts' "failovers" (MXPS_FAILOVER)
         self.resume_round = None   # a resumed store's round, agreed at the start
         self.exit = None
         self.leaving = None        # after the SHUTDOWN: idents of the nodes yet to say BYE
@@ -280,6 +286,10 @@ class SchedulerState:
                     self._on_leaving(node, header)
             elif header.type == MsgType.REGISTER and node is None:
                 self._on_register(ident, _register_info(payload))
+            elif node is not None and node.lost:
+                # a server the job went on without (MXPS_FAILOVER), back from a freeze
+                self._send(node, MsgType.ABORT, b"this server was found lost and the job went "
+                           b"on without it (MXPS_FAILOVER)")
             elif node is not None:
                 node.last_heard = now
                 if self.started_at is not None:
@@ -344,6 +354,7 @@ class SchedulerState:
         return {"mode": self.mode, "servers": self._roster("server"),
                 "workers": self._roster("worker"),
                 "replan_points": [dict(p) for p in self.points],
+                "failovers": [dict(f) for f in self.failovers],
                 "resume_round": self.resume_round,
                 "exit": None if self.exit is None else dict(self.exit._asdict())}
 
@@ -370,7 +381,8 @@ class SchedulerState:
         return [n for n in self.nodes.values() if n.role == "worker"]
 
     def _servers(self):
-        return [n for n in self.nodes.values() if n.role == "server"]
+        """The servers of the job, but those lost to a failover."""
+        return [n for n in self.nodes.values() if n.role == "server" and not n.lost]
 
     def _live_workers(self):
         return [n for n in self._workers() if not n.finished]
@@ -503,6 +515,17 @@ class SchedulerState:
             self._abort("%s failed: %s" % (node.describe(), reason))
         elif h.type == MsgType.FINISH:
             self._on_finish(node)
+        elif h.type == MsgType.FAILOVER:
+            body = _json(payload)
+            version = body.get("version") if isinstance(body, dict) else None
+            if not _integer(version):
+                raise MalformedBody("FAILOVER body has no version")
+            try:
+                old = read_table(body.get("old"), self.cfg.num_servers, "the old table")
+                new = read_table(body.get("new"), self.cfg.num_servers, "the new table")
+            except ValueError as e:
+                raise MalformedBody("FAILOVER: %s" % e) from None
+            self._on_failover_tables(node, version, old, new)
 
     def _bandwidth_report(self, payload):
         report = _json(payload)
@@ -545,7 +568,7 @@ class SchedulerState:
                 self._send(n, MsgType.SHUTDOWN)
                 n.finished = True
             log.info("all workers finished; job done once every node said BYE")
-            self.leaving = set(self.nodes)
+            self.leaving = {i for i, n in self.nodes.items() if not n.lost}
             self.leave_deadline = self._now + self.cfg.heartbeat_timeout
             return
         # a barrier or re-plan point some finished worker will never join must not wait for it
@@ -565,11 +588,14 @@ class SchedulerState:
             self._send(node, MsgType.SHUTDOWN)
 
     def _check_heartbeats(self, starting=False):
-        for n in self.nodes.values():
-            if starting and not n.watched:
+        for n in list(self.nodes.values()):
+            if starting and not n.watched or n.lost:
                 continue
             silent = self._now - n.last_heard
             if not n.finished and silent > self.cfg.heartbeat_timeout:
+                if not starting and n.role == "server" and self.cfg.failover:
+                    self._fail_over(n, silent)
+                    continue
                 self._abort("lost %s%s: no heartbeat for %.1f s (MXPS_HEARTBEAT_TIMEOUT=%s); the "
                             "process died or hangs" % (
                                 n.describe(), " during start-up" if starting else "", silent,
@@ -620,6 +646,10 @@ class SchedulerState:
                                  if r not in skip} for rep in reports.values()])
         lead = reports.get(0) or reports[min(reports)]
         keys, old, opts = self._placement(lead)
+        if self.failovers:
+            # the planner places on every server of the job: after a failover the
+            # successor table stays (docs/FAILOVER.md)
+            return None, old, False
         # MXPS_REPLAN_FORCE=N: a forced new table at every N-th point (always a full one)
         every = int(lead.get("force") or 0)
         forced_next = bool(every) and (self.replan_points + 1) % every == 0
@@ -739,9 +769,18 @@ class SchedulerState:
             return
         p["acks"].add(node.rank)
         p["sent"] += sent
-        if len(p["acks"]) < self.cfg.num_servers:
+        if "failover" in p:
+            reset = body.get("reset") or []
+            if not isinstance(reset, list):
+                raise MalformedBody("PLAN of version %d: reset is not a list" % p["version"])
+            p["failover"]["state_reset"].extend(reset)
+        if len(p["acks"]) < len(self._servers()):
             return
         self.pending_plan = None
+        if "failover" in p:
+            self._failover_in_place(p)
+            self._maybe_replan()
+            return
         p["moved"] = p["sent"]
         self.replanner.moved(p["planned"], p["sent"])
         log.info("plan %d in place (round %d, %d bytes of weights changed server, %d bytes "

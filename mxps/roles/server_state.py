@@ -89,6 +89,11 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         self._aliased = set()      # optimizer indices of further slices, given their key's
         self._cache_given = {}     # (key, offset) -> the store cache a disk slice was given
         self.plan_version = 0
+        # the oldest plan whose requests are still valid: a failover plan (MXPS_FAILOVER)
+        # leaves the slices it does not move, and the workers' requests of the plan before
+        # it for them (the workers did not stop for it)
+        self.plan_floor = 0
+        self.resent_dropped = 0    # pushes sent again after a failover that were in already
         self.migration = None      # the re-plan this server is moving state for
         self.early_parts = []      # parts of a plan whose PLAN message has not arrived yet
         self.early_seeds = []      # MXPS_REPLAN_SEED: workers' weights of such a plan
@@ -184,7 +189,8 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
                        "only PLAN is the server state's", self.rank, h)
             return []
         try:
-            version, old, new, seeds = read_plan(payload, self.num_servers, self.plan_version)
+            version, old, new, seeds, lost = read_plan(payload, self.num_servers,
+                                                       self.plan_version)
         except PlanError as e:
             version = e.version
             if version is None:
@@ -196,7 +202,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         if self._trace is not None:
             self._plan_row("plan_received", version)
         try:
-            self._on_plan(version, old, new, seeds)
+            self._on_plan(version, old, new, seeds, lost)
         except Exception as e:
             self._plan_failed(version, e)
         out = self._flush()
@@ -267,7 +273,9 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
                                "workers disagree on the placement plan or on the key's size"
                                % (h.key, h.offset, h.offset + h.length, self.rank,
                                   ", ".join("[%d, %d)" % x for x in held)))
-        if h.plan_version != self.plan_version:
+        if h.plan_version != self.plan_version and not (
+                self.plan_floor <= h.plan_version < self.plan_version
+                and slot.since <= h.plan_version):
             raise RequestError("key %d: request of plan version %d, but server %d is at plan "
                                "%d" % (h.key, h.plan_version, self.rank, self.plan_version))
         if slot.offset != h.offset or slot.length != h.length:
@@ -454,6 +462,12 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         if self.policy.needs_optimizer and self.updater is None:
             raise RequestError("key %d: dist_async needs the optimizer on the servers "
                                "(update_on_kvstore=True / set_optimizer)" % h.key)
+        if h.flags & wire.RESENT and (h.iteration <= slot.applied or h.sender in getattr(
+                slot.rounds.get(h.iteration), "senders", ())):
+            # MXPS_FAILOVER: a push the lost server had, of a round this slice has applied
+            # (its weights came from a worker that pulled that round) or holds already
+            self.resent_dropped += 1
+            return
         r = self.policy.place(slot, h)
         if h.flags & wire.CHECKPOINT:       # worker 0 chose round r (store.checkpoints)
             self._marked.add(r)

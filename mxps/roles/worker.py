@@ -25,6 +25,7 @@ from ..wire.frame import Header, MsgType
 from . import link as control
 from .link import SchedulerLink
 from .push_gate import PushGate
+from .reroute import Rerouting
 
 log = logging.getLogger("mxps.worker")
 # zmq's POLLOUT is an IntFlag: ``int & zmq.POLLOUT`` runs enum code, on every turn of the I/O
@@ -97,7 +98,7 @@ class _Call:
         self.event.set()
 
 
-class Client:
+class Client(Rerouting):
     def __init__(self, cfg):
         self.cfg = cfg
         self.link = SchedulerLink(cfg, "worker")
@@ -133,6 +134,7 @@ class Client:
         # be in flight, so a slice larger than the window never leaves the link idle while
         # its ACK comes back)
         self._seq = 0
+        self._init_rerouting(cfg)
         # MXPS_PUSH_GATHER: the round's first pushes go in the same order on every worker
         self._gates = [PushGate(cfg.push_gather) for _ in self.servers]
         self._gate_wake = None
@@ -486,7 +488,7 @@ class Client:
                                "(MXPS_TIMEOUT)" % (worst[1], self.server_addrs[worst[1]],
                                                    worst[2].h, self.cfg.timeout))
         # the oldest outstanding request is the first one in insertion order
-        for _, sent, server, h, _ in self._pending.values():
+        for _, sent, server, h, _, _ in self._pending.values():
             if now - sent > self.cfg.timeout:
                 self.link.fail("server %d (%s) did not answer %r within %.0f s (MXPS_TIMEOUT); "
                                "a worker may have stopped pushing this key"
@@ -545,6 +547,8 @@ class Client:
                 if server is None:
                     self.link.send(h.type, payload)
                     continue
+                if self.lost:
+                    server = self._rerouted(server, h)
                 if priority is not None and ltp is not None and self.cfg.ltp_critical_first \
                         and not self._ltp_takes(server, h, payload):
                     # MXPS_PUSH=ltp: a push that goes by TCP (a small slice, critical) skips
@@ -606,6 +610,8 @@ class Client:
             if self.link.sock in events:
                 for h, p in self.link.receive():
                     self.link.handle(h, p)
+                if self.link.failovers:
+                    self._take_failovers()
             now = time.monotonic()
             if not self._finished or not self.link.shutdown:
                 self.link.tick(now)
@@ -707,10 +713,13 @@ class Client:
             if entry[4]:
                 self._unacked[i] -= entry[4]
                 self._unacked_count[i] -= 1
+            if self.failover:
+                self._remember(i, entry[3], h, entry[0], entry[5])
 
     def _send(self, server, h, payload, on_reply, held_bytes):
         if on_reply is not None:
-            self._pending[h.request_id] = (on_reply, time.monotonic(), server, h, held_bytes)
+            self._pending[h.request_id] = (on_reply, time.monotonic(), server, h, held_bytes,
+                                           payload)
         box = self._outbox[server]
         if box or not self._transmit(server, h, payload):
             if not box:   # the queue just filled: wake when it has room again

@@ -11,8 +11,9 @@ restricted unpickler).  The header:
     4      1    version (WIRE_VERSION)
     5      1    type   (MsgType)
     6      1    dtype  (DTYPE codes below; 255 = no array payload)
-    7      1    flags  (a push's: bits 0-6 its compression codec, wire.compression; bit 7
-                   CHECKPOINT, the disk store's checkpoint round, store.checkpoints)
+    7      1    flags  (a push's: bits 0-5 its compression codec, wire.compression; bit 6
+                   RESENT, sent again after a failover; bit 7 CHECKPOINT, the disk
+                   store's checkpoint round, store.checkpoints)
     8      4    key    (int32, the kvstore key id)
     12     4    sender (int32, rank of the sending node in its role; -1 = unknown)
     16     8    iteration (int64: per-key push count of the sending worker, 1-based)
@@ -47,9 +48,12 @@ class WireError(ValueError):
 
 
 #: a push's flag: worker 0 marks every push of the round the servers checkpoint
-#: (MXPS_STORE_CHECKPOINT_SECONDS, store.checkpoints); the other bits name a codec
+#: (MXPS_STORE_CHECKPOINT_SECONDS, store.checkpoints); the low six bits name a codec
 CHECKPOINT = 0x80
-CODEC_MASK = 0x7F
+#: a request sent again to a dead server's successor (MXPS_FAILOVER, docs/FAILOVER.md): a
+#: push of a round the successor's slice has already applied is acknowledged and dropped
+RESENT = 0x40
+CODEC_MASK = 0x3F
 
 
 class MsgType(enum.IntEnum):
@@ -91,6 +95,9 @@ class MsgType(enum.IntEnum):
     INIT_TABLE = 33     # rank 0 -> server: a slice's initial value as a rule, typed payload
                         # {scale, seed} (mxps.store.table_init); `iteration`: the row width
     SEED = 34           # worker -> server: a moved part's weights from the worker's own copy
+    FAILOVER = 35       # scheduler -> workers: JSON {version, dead}: a server is lost, its
+                        # slices go to survivors; worker 0 -> scheduler: {version, dead, old,
+                        # new}, the tables it computed (placement.failover)
                         # (MXPS_REPLAN_SEED: they need not cross the old owner's link);
                         # answered with ACK
     ACK = 20            # reply without payload

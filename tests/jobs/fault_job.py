@@ -17,6 +17,8 @@ Workers do what FAULT_MODE says and report into FAULT_OUT:
                         (update_on_kvstore) and rank 0 saves its states (GET_STATES to every
                         server) after every step from FAULT_READY_STEPS on (the failure
                         matrix's save_states phase).
+                        FAULT_ON_SERVERS=1: the optimizer runs on the servers without saving
+                        (MXPS_FAILOVER's jobs); FAULT_MOMENTUM: SGD's momentum (default 0).
   FAULT_MODE=badinput   tries bad requests on ``mx.kv.create('mxps')`` (unknown key, pull
                         before init, wrong shape / dtype, unsupported dtype), records each
                         exception in ``badinput_rank{R}.json``, then checks that the servers
@@ -79,9 +81,13 @@ def _train(kv, steps, on_step=None, step_sleep=0.0, save_after=None):
     ``save_after``, rank 0 saves the optimizer states after every step from that one on."""
     from mxnet import autograd, gluon
     net = _net()
-    kwargs = {} if save_after is None else {"update_on_kvstore": True}
-    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv,
-                            **kwargs)
+    on_servers = save_after is not None or os.environ.get("FAULT_ON_SERVERS") == "1"
+    kwargs = {"update_on_kvstore": True} if on_servers else {}
+    opt = {"learning_rate": 0.1}
+    momentum = float(os.environ.get("FAULT_MOMENTUM", "0") or 0)
+    if momentum:
+        opt["momentum"] = momentum
+    trainer = gluon.Trainer(net.collect_params(), "sgd", opt, kvstore=kv, **kwargs)
     states = os.path.join(OUT, "states_rank%d" % kv.rank)
     rng = np.random.RandomState(100 + kv.rank)
     loss_fn = gluon.loss.L2Loss()

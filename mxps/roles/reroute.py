@@ -1,0 +1,190 @@
+"""A worker's side of failover (MXPS_FAILOVER, docs/FAILOVER.md): what a lost server left
+undone goes to its successors, inside the round, without stopping the worker.
+
+``Rerouting`` is the part of the worker's ``Client`` that, with failover on, remembers per
+server and slice the round and the buffer of the last pull answered (the weights a successor
+starts from) and the pushes acknowledged since (the lost server had them, the successor may
+not), and, when the scheduler's FAILOVER names a lost server, on the I/O thread:
+
+1. asks the adapter for the successor table (``on_failover``: ``Plan.without``, the same on
+   every worker) and sends it to the scheduler, which gives it to the servers as a PLAN;
+2. sends each successor a SEED of every lost slice: this worker's copy of its weights and the
+   round its last pull of it got (none if it never pulled it); the successor builds the
+   slice from the latest round any worker holds (``roles.migration``);
+3. sends every request the lost server left unanswered, and every push it acknowledged of a
+   round this worker has not pulled yet, to the successor, marked ``wire.RESENT`` (the
+   successor drops a push of a round its slice already applied); pushes still queued for the
+   lost server join the successor's queue; requests submitted later by the old plan are
+   routed the same way (``route``).
+
+The operations waiting on those requests complete from the successor's replies, so MXNet's
+engine never sees the loss.  The gradient arrays of a round stay untouched until the round's
+pull completes (the next backward pass needs the pulled weights), so a push sent again sends
+the gradient that was sent first.
+"""
+import json
+import logging
+import time
+
+from ..placement.plan import table_to_json
+from ..wire import frame as wire
+from ..wire.frame import Header, MsgType
+
+log = logging.getLogger("mxps.worker")
+
+_PUSHES = frozenset((MsgType.PUSH, MsgType.PUSHPULL))
+_DATA = frozenset((MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL))
+
+
+class _SeedReply:
+    """A successor's answer to a SEED: an ERROR ends the job (the slice cannot be built)."""
+
+    __slots__ = ("client", "what")
+
+    def __init__(self, client, what):
+        self.client = client
+        self.what = what
+
+    def __call__(self, h, payload):
+        if h.type == MsgType.ERROR:
+            self.client.link.fail("%s refused: %s" % (self.what, bytes(payload).decode(
+                errors="replace")))
+
+
+class Rerouting:
+    """Part of the worker's ``Client`` (see the module docstring)."""
+
+    def _init_rerouting(self, cfg):
+        self.failover = cfg.failover
+        n = len(self.servers)
+        # per server: (key, offset) -> (round, the reply callback whose buffer the pull
+        # filled, dtype code) of the last pull answered
+        self._pulled = [{} for _ in range(n)]
+        # per server: (key, offset) -> [(header, payload)] of pushes it acknowledged of rounds
+        # this worker has not pulled from it yet
+        self._acked = [{} for _ in range(n)]
+        self.lost = set()
+        # the adapter's: (version, lost server) -> (old table, new table, {(key, offset):
+        # (successor, length)}); and (key, offset) -> (server, plan version) of the plan in
+        # force, for requests submitted by an older plan to a lost server
+        self.on_failover = None
+        self.route = None
+        self.failovers = []       # (version, lost server, seconds the rerouting took)
+
+    def _remember(self, server, request, h, on_reply, payload):
+        """A reply of ``server`` was taken (I/O thread; failover on)."""
+        if request.type in _PUSHES and h.type == MsgType.ACK:
+            acked = self._acked[server].setdefault((request.key, request.offset), [])
+            acked.append((request, payload))
+            if len(acked) > 2:      # a key pushed and not pulled: its last rounds only
+                del acked[0]
+        if request.type in (MsgType.PULL, MsgType.PUSHPULL) and h.type == MsgType.DATA:
+            part = (request.key, request.offset)
+            self._pulled[server][part] = (h.iteration, on_reply, h.dtype)
+            acked = self._acked[server].get(part)
+            if acked:
+                acked[:] = [(q, p) for q, p in acked if q.iteration > h.iteration]
+
+    def _take_failovers(self):
+        while self.link.failovers:
+            body = self.link.failovers.pop(0)
+            self._fail_over(body["version"], body["dead"])
+
+    def _fail_over(self, version, dead):
+        t0 = time.monotonic()
+        if dead in self.lost:
+            return
+        if self.on_failover is None:
+            self.link.fail("server %d was lost before this worker's kvstore existed" % dead)
+        if not 0 <= dead < len(self.servers):
+            self.link.fail("the scheduler named server %d lost; the job has %d"
+                           % (dead, len(self.servers)))
+        old, new, moved = self.on_failover(version, dead)
+        self.lost.add(dead)
+        self.link.send(MsgType.FAILOVER, json.dumps(
+            {"version": version, "dead": dead, "old": table_to_json(old),
+             "new": table_to_json(new)}).encode())
+        # 1. the successors' seeds: this worker's copy of each lost slice
+        pulled = self._pulled[dead]
+        for (key, offset), (to, length) in sorted(moved.items()):
+            got = pulled.get((key, offset))
+            what = "SEED of key %d [%d, +%d) to server %d" % (key, offset, length, to)
+            if got is None or getattr(got[1], "dview", None) is None:
+                h = Header(MsgType.SEED, key=key, plan_version=version, offset=offset,
+                           length=length, dtype=wire.NO_DTYPE, iteration=0)
+                payload = None
+            else:
+                r, fill, dtype = got
+                h = Header(MsgType.SEED, key=key, plan_version=version, offset=offset,
+                           length=length, dtype=dtype, iteration=r)
+                payload = fill.dview[offset:offset + length].copy()
+            h.request_id = next(self._ids)
+            h.sender = self.rank
+            self._send(to, h, payload, _SeedReply(self, what), 0)
+        # 2. the requests the lost server left unanswered, and the pushes it acknowledged
+        #    of rounds this worker has not pulled from it
+        again = 0
+        for rid, entry in list(self._pending.items()):
+            on_reply, _, server, h, held, payload = entry
+            if server != dead:
+                continue
+            del self._pending[rid]
+            if held:
+                self._unacked[dead] -= held
+                self._unacked_count[dead] -= 1
+            if h.type not in _DATA:
+                self.link.fail("server %d was lost while it had %s of this worker to answer; "
+                               "only data requests go to a successor (MXPS_FAILOVER)"
+                               % (dead, MsgType(h.type).name))
+            to = self._successor(moved, h)
+            if held:
+                self._unacked[to] += held
+                self._unacked_count[to] += 1
+            if h.type in _PUSHES:
+                h.flags |= wire.RESENT
+            self._send(to, h, payload, on_reply, held)
+            again += 1
+        for (key, offset), pushes in self._acked[dead].items():
+            for h, payload in pushes:
+                to = self._successor(moved, h)
+                h.flags |= wire.RESENT
+                h.request_id = next(self._ids)
+                self._send(to, h, payload, _SeedReply(self, "push of key %d sent again to "
+                                                      "server %d" % (key, to)), 0)
+                again += 1
+        # 3. pushes still queued for it join their successors' queues
+        queued = self._held[dead]
+        self._held[dead] = []
+        self._outbox[dead].clear()
+        for item in queued:
+            h = item[4]
+            to = self._successor(moved, h)
+            self._held[to].append(item)
+            again += 1
+        for q in self._held:
+            q.sort()
+        self._pulled[dead] = {}
+        self._acked[dead] = {}
+        took = time.monotonic() - t0
+        self.failovers.append((version, dead, took))
+        log.warning("worker %d: server %d lost; %d slices go to %s (plan %d), %d requests sent "
+                    "again (%.3f s)", self.rank, dead, len(moved),
+                    sorted({to for to, _ in moved.values()}), version, again, took)
+
+    def _successor(self, moved, h):
+        """The successor of request ``h``'s slice, with ``h`` set to the plan in force."""
+        got = moved.get((h.key, h.offset))
+        if got is None:
+            to, version = self.route(h.key, h.offset)
+        else:
+            to, version = got[0], self.route(h.key, h.offset)[1]
+        h.plan_version = version
+        return to
+
+    def _rerouted(self, server, h):
+        """The server a request submitted for ``server`` goes to: itself unless lost (an
+        operation issued by the plan before a failover)."""
+        if server in self.lost and h.type in _DATA:
+            to, h.plan_version = self.route(h.key, h.offset)
+            return to
+        return server

@@ -1,0 +1,96 @@
+"""The scheduler's side of failover (MXPS_FAILOVER, docs/FAILOVER.md): a server that goes
+silent is left behind instead of ending the job.
+
+1. ``_fail_over``: the heartbeat check found server s silent.  The scheduler marks it lost and
+   sends every worker FAILOVER {version, dead}.  Each worker computes the successor table
+   itself (``placement.failover``: every lost slice whole to one survivor), sends the
+   successors its copy of the lost slices' weights (a SEED naming the round its last pull of
+   that slice got) and every request the lost server left unanswered again, and goes on.
+2. ``_on_failover_tables``: the first worker's FAILOVER answer carries the old and new
+   tables; the survivors get them as a PLAN naming the lost servers (``roles.migration``).
+   A successor builds each lost slice from the workers' seeds (the latest round any worker
+   pulled) with fresh optimizer state, and acknowledges the plan; the acknowledgements say
+   which slices' optimizer state was reset.
+3. The failover is in place once every survivor acknowledged: the job facts' ``failovers``.
+
+Limits, each refused or ended with a message naming it: a server lost while a re-plan moves
+state, or while the start-up is not complete, ends the job as before; re-planning stops after
+a failover (the planner places on every server of the job).  The scheduler's own death ends
+the job: every node gives up after MXPS_HEARTBEAT_TIMEOUT of its silence.
+"""
+import json
+import logging
+
+from ..placement.plan import table_to_json
+from ..wire.frame import MsgType
+
+log = logging.getLogger("mxps.scheduler")
+
+
+class Failover:
+    """Part of ``SchedulerState``: leaving a lost server behind."""
+
+    def _fail_over(self, node, silent):
+        why = "no heartbeat for %.1f s (MXPS_HEARTBEAT_TIMEOUT=%s)" % (
+            silent, self.cfg.heartbeat_timeout)
+        p = self.pending_plan
+        if p is not None:
+            self._abort("lost %s: %s, while plan %d moved state; a failover during a move is "
+                        "not supported (MXPS_FAILOVER)" % (node.describe(), why, p["version"]))
+            return
+        if len(self._servers()) < 2:
+            self._abort("lost %s: %s; no server is left to take its keys"
+                        % (node.describe(), why))
+            return
+        workers = self._live_workers()
+        node.lost = True
+        self.plan_version += 1
+        record = {"server": node.rank, "plan_version": self.plan_version,
+                  "detected_at": round(self._now - self.started_at, 6),
+                  "silent_s": round(silent, 3), "in_place_at": None,
+                  "slices": 0, "state_reset": []}
+        self.failovers.append(record)
+        self.pending_plan = {"version": self.plan_version, "table": None, "acks": set(),
+                             "planned": 0, "moved": 0, "sent": 0, "round": None,
+                             "full_next": False, "released": True, "failover": record,
+                             "deadline": self._now + self.cfg.timeout}
+        log.warning("lost %s: %s; its slices go to the other servers (MXPS_FAILOVER, plan %d)",
+                    node.describe(), why, self.plan_version)
+        body = json.dumps({"version": self.plan_version, "dead": node.rank}).encode()
+        for w in workers:
+            self._send(w, MsgType.FAILOVER, body, plan_version=self.plan_version)
+        self._step.facts = self.facts()
+
+    def _on_failover_tables(self, node, version, old, new):
+        """A worker's successor tables (checked): the PLAN for the survivors (the first
+        answer counts; every worker computed the same tables)."""
+        p = self.pending_plan
+        if p is None or "failover" not in p or version != p["version"] or \
+                p["table"] is not None:
+            return
+        lost = sorted(n.rank for n in self.nodes.values() if n.lost)
+        on_lost = [k for k, slices in new.items() if any(x.server in lost for x in slices)]
+        if on_lost:
+            self._abort("%s placed key %d on lost server(s) %s after the failover"
+                        % (node.describe(), on_lost[0], lost))
+            return
+        p["table"] = new
+        p["failover"]["slices"] = sum(
+            1 for k, slices in old.items() for x in slices if x.server in lost)
+        plan = {"version": p["version"], "old": table_to_json(old), "new": table_to_json(new),
+                "lost": lost}
+        data = json.dumps(plan).encode()
+        for n in self._servers():
+            self._send(n, MsgType.PLAN, data, plan_version=p["version"])
+
+    def _failover_in_place(self, p):
+        record = p["failover"]
+        record["in_place_at"] = round(self._now - self.started_at, 6)
+        reset = record["state_reset"]
+        log.warning("plan %d in place: server %d's %d slices rebuilt on the other servers from "
+                    "the workers' weights, %.1f s after it was found lost; %s", p["version"],
+                    record["server"], record["slices"],
+                    record["in_place_at"] - record["detected_at"],
+                    "optimizer state of %d of them reset (it was on the lost server only)"
+                    % len(reset) if reset else "no optimizer state was lost")
+        self._step.facts = self.facts()
