@@ -58,6 +58,8 @@ class Config:
     # MXPS_FAILOVER (docs/FAILOVER.md): a lost server's slices go to the survivors and the job
     # goes on; off: the job ends with exit code 3 naming the lost server
     failover: bool = False
+    # MXPS_REPLICA: every slice's optimizer state also on a buddy server, current each round
+    replica: bool = False
     replan_one_round: bool = True
     replan_window: int = 3
     trace: str = ""
@@ -418,6 +420,7 @@ def from_env(env=None, mode=None):
         replan_overlap=_bool(env, "MXPS_REPLAN_OVERLAP", False),
         replan_seed=_bool(env, "MXPS_REPLAN_SEED", False),
         failover=_bool(env, "MXPS_FAILOVER", False),
+        replica=_bool(env, "MXPS_REPLICA", False),
         replan_one_round=_bool(env, "MXPS_REPLAN_ONE_ROUND", True),
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),
@@ -441,6 +444,9 @@ def from_env(env=None, mode=None):
         raise ConfigError("MXPS_FAILOVER=1 needs MXPS_MODE=sync (dist_sync): a successor "
                           "rebuilds a lost slice from the rounds every worker pulled; in %s "
                           "mode workers hold weights of different rounds" % cfg.mode)
+    if cfg.replica and not cfg.failover:
+        raise ConfigError("MXPS_REPLICA=1 keeps the optimizer state for a failover: set "
+                          "MXPS_FAILOVER=1 too")
     if cfg.failover and cfg.push == "ltp":
         raise ConfigError("MXPS_FAILOVER=1 and MXPS_PUSH=ltp do not go together yet: an LTP "
                           "push to a lost server cannot be sent again (use MXPS_PUSH=tcp)")

@@ -269,6 +269,7 @@ CONFIG_CASES = [
     {"name": "fault_point_unknown", "env": {"MXPS_FAULT_POINT": "nowhere"}},
     {"name": "failover_ltp", "env": {"MXPS_FAILOVER": "1", "MXPS_PUSH": "ltp"}},
     {"name": "failover_wsp", "env": {"MXPS_FAILOVER": "1", "MXPS_MODE": "wsp"}},
+    {"name": "replica_alone", "env": {"MXPS_REPLICA": "1"}},
 ]
 
 
@@ -287,10 +288,11 @@ def _config():
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _failover(kill, momentum="0"):
-    """MXPS_FAILOVER: 2 workers train 20 steps on 3 servers (the optimizer on them; the keys
-    split over all three), and, with ``kill``, server s1 is killed after 5; the job must go
-    on.  Without: the uninterrupted run to compare with."""
+def _failover(kill):
+    """MXPS_FAILOVER: 2 workers train 20 steps of SGD with momentum on 3 servers (the optimizer
+    on them, its state replicated on a buddy, MXPS_REPLICA; the keys split over all three),
+    and, with ``kill``, server s1 is killed after 5; the job must go on.  Without: the
+    uninterrupted run to compare with."""
     def body(job):
         job.wait_files(["ready_rank0.json", "ready_rank1.json"], START_TIMEOUT)
         killed_at = None
@@ -305,10 +307,11 @@ def _failover(kill, momentum="0"):
             os.path.join(os.path.dirname(job.out), "job-info.json"))
 
     env = {"FAULT_MODE": "train", "FAULT_STEPS": "20", "FAULT_STEP_SLEEP": "0.1",
-           "FAULT_READY_STEPS": "5", "FAULT_ON_SERVERS": "1", "FAULT_MOMENTUM": momentum,
-           "MXPS_FAILOVER": "1", "MXNET_KVSTORE_BIGARRAY_BOUND": "50",
+           "FAULT_READY_STEPS": "5", "FAULT_ON_SERVERS": "1", "FAULT_MOMENTUM": "0.9",
+           "MXPS_FAILOVER": "1", "MXPS_REPLICA": "1", "MXNET_KVSTORE_BIGARRAY_BOUND": "50",
            "MXPS_HEARTBEAT_INTERVAL": "0.5", "MXPS_HEARTBEAT_TIMEOUT": "3"}
-    return lambda: _scenario_job("failover-%s-%s" % (kill, momentum), 2, 3, env, body)
+    return lambda: _scenario_job("failover-%s" % ("kill" if kill else "reference"), 2, 3,
+                                 env, body)
 
 
 SCENARIOS = {
@@ -469,8 +472,8 @@ def test_with_failover_a_killed_servers_job_completes_with_the_uninterrupted_run
     assert fo["slices"] >= 1 and fo["state_reset"] == [] and fo["in_place_at"] is not None
     assert [s.get("lost", False) for s in info["servers"]].count(True) == 1
     assert "its slices go to the other servers" in job.node("sched").stderr, detail
-    # plain SGD keeps no state: the weights are those of the run no server left, bit for bit
-    # (two workers' sums do not depend on their order)
+    # the lost slices' momentum came from the buddy: the weights are those of the run no
+    # server left, bit for bit (two workers' sums do not depend on their order)
     for r in (0, 1):
         assert weights[r] is not None and sorted(weights[r]) == sorted(ref[r]), detail
         for name in ref[r]:
@@ -689,6 +692,7 @@ def config_results(scenarios):
     ("fault_point_unknown", ["MXPS_FAULT_POINT='nowhere'", "register"]),
     ("failover_ltp", ["MXPS_FAILOVER=1", "MXPS_PUSH=ltp"]),
     ("failover_wsp", ["MXPS_FAILOVER=1", "MXPS_MODE=sync", "wsp"]),
+    ("replica_alone", ["MXPS_REPLICA=1", "MXPS_FAILOVER=1"]),
 ])
 def test_bad_setting_raises_config_error_naming_the_variable(config_results, case, variables):
     _, results = config_results

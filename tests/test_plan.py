@@ -320,3 +320,11 @@ def test_a_lost_servers_slices_go_whole_to_the_least_loaded_survivors_and_later_
     assert q.replaced(6, {}).lost == {1}
     with pytest.raises(ValueError, match="no server survives"):
         q.without(7, [0, 2])
+
+
+def test_with_replicas_a_lost_servers_slices_go_to_its_buddy_the_next_server_alive():
+    p = Plan(3, table={1: (Slice(0, 0, 10), Slice(1, 10, 30), Slice(2, 40, 10))})
+    q, moved = p.without(1, [2], buddies=True)
+    assert moved == {(1, 40): 0}                       # server 2's buddy: 0 (cyclic)
+    r, moved = q.without(2, [0], buddies=True)
+    assert moved == {(1, 0): 1, (1, 40): 1}            # server 0's buddy, 2 being lost: 1

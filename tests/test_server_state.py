@@ -74,10 +74,10 @@ def sgd(momentum=0.0):
     return pickle.dumps(mx.optimizer.SGD(learning_rate=1.0, momentum=momentum))
 
 
-def new_server(workers=2, rank=0, sync=True, optimizer=None, keys=None, store=None):
+def new_server(workers=2, rank=0, sync=True, optimizer=None, keys=None, store=None, **kw):
     """A server with ``keys`` ({key: initial value}, whole keys) and an optimizer, if any
-    (``store``: StoreSettings, the disk store)."""
-    s = ServerState(rank, workers, sync, store=store)
+    (``store``: StoreSettings, the disk store; ``kw``: more of ServerState's arguments)."""
+    s = ServerState(rank, workers, sync, store=store, **kw)
     if optimizer is not None:
         only(s.on_request(worker(0), Header(MsgType.SET_OPTIMIZER, sender=0), optimizer),
              MsgType.ACK)
@@ -812,6 +812,56 @@ def test_a_lost_slice_is_rebuilt_from_the_latest_round_a_worker_pulled_and_ends_
     # a request of the plan before the failover for the moved slice is refused
     assert "plan version 0" in error_text(send(s1, MsgType.PULL, 5, it=3, offset=3, length=5,
                                                version=0))
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_with_a_replica_a_lost_slice_takes_its_state_from_the_buddy_and_ends_as_if_no_loss(
+        optimizer):
+    # MXPS_REPLICA: server 2 sends its buddy, server 0, key 5's state after every round and
+    # answers the round's pulls only once server 0 has it; server 2 dies after round 2; server
+    # 0 rebuilds the slice from the workers' weights and its replica of round 2, and round 3
+    # ends as on one server that lost nothing (momentum and Adam's mean, variance and count)
+    opt = sgd(0.9) if optimizer == "momentum" else pickle.dumps(
+        mx.optimizer.Adam(learning_rate=0.1))
+    alone = new_server(optimizer=opt, keys={5: VALUE})
+    push_rounds([(alone, OLD[5][0])], GRADS)
+    s2 = new_server(rank=2, optimizer=opt, keys={5: VALUE}, num_servers=3, replica=True)
+    s0 = new_server(rank=0, optimizer=opt, num_servers=3, replica=True)
+    assert s2.buddy() == 0 and s0.buddy() == 1
+    whole = Slice(2, 0, 8)
+    for it in (1, 2):
+        for w in (0, 1):
+            outs = send(s2, MsgType.PUSH, 5, w=w, it=it, value=GRADS[it - 1][w])
+        (rep,) = [o for o in outs if o.to == Out.PEER]
+        assert rep.dest == 0 and rep.header.type == MsgType.REPLICA
+        assert send(s2, MsgType.PULL, 5, w=0, it=it, length=8) == [], \
+            "a pull waits for the buddy's ack"
+        ack = only(s0.on_request(b"peer2", rep.header, rep.payload), MsgType.ACK)
+        np.testing.assert_array_equal(
+            value_of(only(s2.on_peer_reply(0, ack.header), MsgType.DATA)),
+            s2.slots[(5, 0)].store.snapshot)
+    weights = s2.slots[(5, 0)].store.snapshot.copy()
+    assert sorted(s0.replicas[(5, 0)]) == [1, 2]
+    old, new = {5: (whole,)}, {5: (Slice(0, 0, 8),)}
+    body = json.dumps({"version": 1, "old": table_to_json(old), "new": table_to_json(new),
+                       "lost": [2]}).encode()
+    assert s0.on_scheduler(Header(MsgType.PLAN), body) == []
+    for w in (0, 1):
+        h, v = request(MsgType.SEED, 5, w=w, it=2, value=weights, version=1)
+        outs = s0.on_request(worker(w), h, v)
+    (report,) = [json.loads(o.payload) for o in outs if o.to == Out.SCHEDULER]
+    assert report == {"version": 1, "moved_bytes": 0, "reset": []}
+    # the rebuilt slice's state goes to server 0's own buddy, server 1
+    (rep,) = [o for o in outs if o.to == Out.PEER]
+    assert rep.dest == 1 and rep.header.iteration == 2
+    s0.on_peer_reply(1, rep.header.reply(MsgType.ACK, length=0))
+    for w in (0, 1):
+        outs = send(s0, MsgType.PUSH, 5, w=w, it=3, value=GRADS[2][w], version=1)
+    (rep,) = [o for o in outs if o.to == Out.PEER]
+    assert send(s0, MsgType.PULL, 5, it=3, length=8, version=1) == []
+    got = value_of(only(s0.on_peer_reply(1, rep.header.reply(MsgType.ACK, length=0)),
+                        MsgType.DATA))
+    np.testing.assert_allclose(got, alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
 
 
 def test_a_lost_slice_no_worker_pulled_fails_the_plan_naming_it():

@@ -645,7 +645,7 @@ class MXPS(KVStoreBase):
                 "optimizer on the servers (update_on_kvstore / set_optimizer); with the "
                 "update on the workers the servers hold only each round's sum" % dead)
         old = self._plan.table()
-        self._plan, moved = self._plan.without(version, [dead])
+        self._plan, moved = self._plan.without(version, [dead], buddies=self._cfg.replica)
         for k in list(self._keys.values()):
             k.slices = self._plan.slices(k.id, k.size)
         if self._trace_plans is not None:

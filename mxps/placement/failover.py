@@ -9,9 +9,20 @@ tie; slices are taken in key and offset order.  The surviving servers' slices do
 import dataclasses
 
 
-def successors(table, lost, num_servers):
+def buddy(server, lost, num_servers):
+    """The next server after ``server`` in rank order (cyclic) that is not lost: where
+    ``server`` keeps its optimizer state with MXPS_REPLICA (``roles.replica``)."""
+    for i in range(1, num_servers):
+        r = (server + i) % num_servers
+        if r not in lost:
+            return r
+    raise ValueError("no server survives: servers %s are lost" % sorted(lost))
+
+
+def successors(table, lost, num_servers, buddies=False):
     """(the table with every slice of a server in ``lost`` on a survivor, {(key, offset):
-    successor} for the slices that moved)."""
+    successor} for the slices that moved).  With ``buddies`` (MXPS_REPLICA) a lost slice goes
+    to the lost server's buddy, which holds its optimizer state."""
     alive = [s for s in range(num_servers) if s not in lost]
     if not alive:
         raise ValueError("no server survives: servers %s are lost" % sorted(lost))
@@ -25,7 +36,8 @@ def successors(table, lost, num_servers):
         out = []
         for x in table[key]:
             if x.server in lost:
-                to = min(alive, key=lambda s: (load[s], s))
+                to = buddy(x.server, lost, num_servers) if buddies else \
+                    min(alive, key=lambda s: (load[s], s))
                 load[to] += x.length
                 moved[(key, x.offset)] = to
                 x = dataclasses.replace(x, server=to)

@@ -144,11 +144,12 @@ class Plan:
                 new._sizes[key] = self._sizes[key]
         return new
 
-    def without(self, version, lost):
+    def without(self, version, lost, buddies=False):
         """The plan of ``version`` after ``lost`` (server ranks) are gone, and {(key,
-        offset): successor} of the slices that moved (``placement.failover``)."""
+        offset): successor} of the slices that moved (``placement.failover``; ``buddies``:
+        to each lost server's buddy, MXPS_REPLICA)."""
         gone = self.lost | frozenset(lost)
-        table, moved = successors(self._table, gone, self.num_servers)
+        table, moved = successors(self._table, gone, self.num_servers, buddies)
         new = Plan(self.num_servers, version, table, self.bigarray_bound, self._rule)
         new.lost = gone
         return new, moved

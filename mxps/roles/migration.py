@@ -353,6 +353,8 @@ class Migrating:
         for dest, part in parts:
             if dest != self.rank:
                 self._send_part(mig, dest, part)
+        if lost:
+            self._lost(lost)
         self._maybe_done(mig)
 
     def _cut(self, slot, lo, hi, target):
@@ -531,10 +533,16 @@ class Migrating:
                                % (mig.version, h.key, n.offset, n.length))
         r, w = max(held)
         _, value, dtype = inc.lost[w]
-        inc.parts = [{"key": h.key, "target": n.offset, "offset": n.offset,
-                      "length": n.length, "dtype": dtype, "value": value, "applied": r,
-                      "cols": 0}]
-        if self.updater is not None and self._stateful(value):
+        part = {"key": h.key, "target": n.offset, "offset": n.offset, "length": n.length,
+                "dtype": dtype, "value": value, "applied": r, "cols": 0}
+        inc.parts = [part]
+        kept = self.replica_of(h.key, n.offset, n.length, r)    # MXPS_REPLICA
+        if kept is not None:
+            if kept[0] is not None:
+                part["state"] = kept[0]
+            if kept[1] is not None:
+                part["count"] = kept[1]
+        elif self.updater is not None and self._stateful(value):
             mig.reset.append([h.key, n.offset, n.length])
         log.warning("server %d: plan %d: key %d [%d, +%d) of a lost server rebuilt from "
                     "worker %d's weights after round %d%s", self.rank, mig.version, h.key,
@@ -596,6 +604,7 @@ class Migrating:
         slot.since = mig.version
         self.slots[target] = slot
         self._unfast()
+        self._after_round(slot)          # MXPS_REPLICA: its state to the buddy
         if self._trace is not None:
             self._plan_row("slice_built", mig.version, key, want.offset, want.length,
                            nbytes=value.nbytes)

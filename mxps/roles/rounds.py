@@ -45,7 +45,7 @@ class Slot:
     ``store.memory.MemorySlice`` or ``store.disk.DiskSlice``)."""
 
     __slots__ = ("key", "offset", "length", "dtype_code", "store", "applied", "rounds",
-                 "waiting", "index", "spans", "wsp", "cols", "since")
+                 "waiting", "index", "spans", "wsp", "cols", "since", "replicated")
 
     def __init__(self, key, offset, length, dtype_code, store):
         self.key = key
@@ -62,6 +62,7 @@ class Slot:
         self.wsp = None                 # MXPS_MODE=wsp: the slice's wsp.SliceWsp
         self.cols = 0                   # the key's row width (INIT), 0: unknown
         self.since = 0                  # the plan version that placed the slice here
+        self.replicated = 0             # MXPS_REPLICA: the last round the buddy holds
 
 
 class Bsp:

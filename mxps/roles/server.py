@@ -43,7 +43,7 @@ ALLOWED = {
                          MsgType.PROBE, MsgType.LTP_HELLO, MsgType.LEAVE,
                          MsgType.PUSH_ROWS, MsgType.PULL_ROWS, MsgType.INIT_TABLE,
                          MsgType.SEED)),
-    "server": frozenset((MsgType.MIGRATE,)),
+    "server": frozenset((MsgType.MIGRATE, MsgType.REPLICA)),
 }
 _IDENTITY = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")
 
@@ -140,7 +140,7 @@ class Server:
                                   resume_at=welcome.get("resume_round"))
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
                                  num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp,
-                                 wsp=wsp, store=store,
+                                 wsp=wsp, store=store, replica=self.cfg.replica,
                                  progress=lambda: self.link.beat(time.monotonic()))
         self.peer_addrs = welcome["servers"]
         self.peer_seals = welcome["seals"]

@@ -58,6 +58,7 @@ from ..wire.frame import MsgType
 from .ltp_intake import LtpIntake
 from .migration import Migrating, PlanError, read_plan
 from .optimizer_states import OptimizerRequests, floating, optimizer_index
+from .replica import Replicas
 from .row_requests import RowRequests
 from .rounds import Async, Bsp, Round, Slot, Wsp
 from .server_requests import Out, RequestError, fields
@@ -70,12 +71,12 @@ __all__ = ["ServerState", "Out", "RequestError", "LtpSettings", "StoreSettings",
            "optimizer_index"]
 
 
-class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
+class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas):
     """Everything server ``rank`` knows; ``on_request``, ``on_scheduler`` and
     ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
 
     def __init__(self, rank, num_workers, sync, num_servers=None, trace=None, ltp=None,
-                 wsp=None, store=None, progress=None):
+                 wsp=None, store=None, progress=None, replica=False):
         self.rank = rank
         # called now and then inside work that takes seconds (a table made from its rule), so
         # that the server heartbeats meanwhile (roles/server.py); None: nobody to tell
@@ -123,6 +124,8 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
             self.policy = Wsp(wsp, num_workers, self.gone, self.wsp_stats)
         else:
             self.policy = Bsp(num_workers)
+        # MXPS_REPLICA: every slice's optimizer state also on the buddy server (replica.py)
+        self._init_replicas(replica)
         # MXPS_STORE=disk: StoreSettings, or None (every slice in RAM)
         self.store = store
         self._resumed = None       # MXPS_STORE_RESUME: the round the store was flushed at
@@ -220,6 +223,13 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         """Server ``server_rank``'s answer to a part this server sent it: an ACK, or an ERROR
         that fails the plan.  A message that answers no part in flight to that server (another
         plan's, a type that is not a reply) is dropped and counted."""
+        if self.replica:
+            try:
+                if self._on_replica_reply(server_rank, h):
+                    return self._flush()
+            except RequestError as e:
+                self._plan_failed(self.plan_version, e)
+                return self._flush()
         mig = self.migration
         if h.type not in (MsgType.ACK, MsgType.ERROR) or mig is None or \
                 h.plan_version != mig.version or mig.outgoing.get(h.request_id) != server_rank:
@@ -507,6 +517,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
                 self._data_row("round_complete", slot, r, -1,
                                0 if nxt.acc is None else nxt.acc.nbytes)
             self._maybe_checkpoint(slot)
+            self._after_round(slot)
 
     def _new_round(self, slot, grad):
         """A round whose first push is ``grad``: a dense array (copied into a fresh sum) or a
@@ -601,6 +612,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests):
         MsgType.PULL_ROWS: RowRequests._on_pull_rows,
         MsgType.MIGRATE: Migrating._on_migrate,
         MsgType.SEED: Migrating._on_seed,
+        MsgType.REPLICA: Replicas._on_replica,
         MsgType.PROBE: _on_probe,
         MsgType.INIT: _on_init,
         MsgType.PUSH: _on_push,

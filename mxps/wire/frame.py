@@ -98,6 +98,9 @@ class MsgType(enum.IntEnum):
     FAILOVER = 35       # scheduler -> workers: JSON {version, dead}: a server is lost, its
                         # slices go to survivors; worker 0 -> scheduler: {version, dead, old,
                         # new}, the tables it computed (placement.failover)
+    REPLICA = 36        # server -> its buddy: a slice's optimizer state after a round, typed
+                        # payload {key, offset, length, applied, state, count} (MXPS_REPLICA);
+                        # answered with ACK
                         # (MXPS_REPLAN_SEED: they need not cross the old owner's link);
                         # answered with ACK
     ACK = 20            # reply without payload

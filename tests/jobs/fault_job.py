@@ -18,7 +18,8 @@ Workers do what FAULT_MODE says and report into FAULT_OUT:
                         server) after every step from FAULT_READY_STEPS on (the failure
                         matrix's save_states phase).
                         FAULT_ON_SERVERS=1: the optimizer runs on the servers without saving
-                        (MXPS_FAILOVER's jobs); FAULT_MOMENTUM: SGD's momentum (default 0).
+                        (MXPS_FAILOVER's jobs); FAULT_MOMENTUM: SGD's momentum (default 0);
+                        FAULT_OPTIMIZER=adam: Adam (learning rate 0.01) instead of SGD.
   FAULT_MODE=badinput   tries bad requests on ``mx.kv.create('mxps')`` (unknown key, pull
                         before init, wrong shape / dtype, unsupported dtype), records each
                         exception in ``badinput_rank{R}.json``, then checks that the servers
@@ -87,7 +88,10 @@ def _train(kv, steps, on_step=None, step_sleep=0.0, save_after=None):
     momentum = float(os.environ.get("FAULT_MOMENTUM", "0") or 0)
     if momentum:
         opt["momentum"] = momentum
-    trainer = gluon.Trainer(net.collect_params(), "sgd", opt, kvstore=kv, **kwargs)
+    name = os.environ.get("FAULT_OPTIMIZER", "sgd") or "sgd"
+    if name == "adam":
+        opt = {"learning_rate": 0.01}
+    trainer = gluon.Trainer(net.collect_params(), name, opt, kvstore=kv, **kwargs)
     states = os.path.join(OUT, "states_rank%d" % kv.rank)
     rng = np.random.RandomState(100 + kv.rank)
     loss_fn = gluon.loss.L2Loss()
