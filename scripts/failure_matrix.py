@@ -11,7 +11,13 @@ phases are hit precisely with the test-only switch MXPS_FAULT_POINT (docs/SETTIN
 chosen node writes a marker file at that point and pauses there, and the harness signals the
 victim as soon as the marker appears.
 
-A trial passes when every survivor exits on its own with code 3 (EXIT_LOST_PEER), its stderr
+With ``--failover`` the server cells run with MXPS_FAILOVER=1 and MXPS_REPLICA=1 (the optimizer,
+SGD with momentum, on the servers; 12 steps): such a trial passes when every survivor exits 0
+(the job completed), the workers end with exactly the weights of the same job run without a
+fault (run once per matrix), and the failover rebuilt the lost slices within 5 s of finding
+the server lost (the job facts' ``failovers``).  Cells ``server/<phase>/<signal>/failover``.
+
+Otherwise a trial passes when every survivor exits on its own with code 3 (EXIT_LOST_PEER), its stderr
 names the lost node (its role and pid, the scheduler's address, or the start timeout's list of
 who is missing) without a traceback, and within the cell's bound: MXPS_HEARTBEAT_TIMEOUT + 10 s
 after the signal once the victim had registered; MXPS_START_TIMEOUT + 10 s for a node that
@@ -36,8 +42,11 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
+
+import numpy as np
 
 from mxps_tools import jobs as runner
 
@@ -70,6 +79,10 @@ BASE_ENV = {
 }
 # a live re-plan at every step that moves state between the servers (as tests/test_replan.py)
 REPLAN_ENV = {"MXPS_REPLAN_FORCE": "1", "MXPS_REPLAN_INTERVAL": "1", "MXPS_MIN_SLICE": "4"}
+# --failover: the job goes on without the lost server (docs/FAILOVER.md)
+FAILOVER_ENV = {"MXPS_FAILOVER": "1", "MXPS_REPLICA": "1", "FAULT_ON_SERVERS": "1",
+                "FAULT_MOMENTUM": "0.9", "FAULT_STEPS": "12"}
+REBUILD_BOUND = 5.0          # seconds from finding a server lost to its slices rebuilt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +90,25 @@ class Cell:
     role: str
     phase: str
     sig: str
+    failover: bool = False
 
     @property
     def name(self):
-        return "%s/%s/%s" % (self.role, self.phase, self.sig)
+        return "%s/%s/%s%s" % (self.role, self.phase, self.sig,
+                               "/failover" if self.failover else "")
 
     @classmethod
     def parse(cls, text):
         parts = text.strip().split("/")
+        failover = len(parts) == 4 and parts[3] == "failover"
+        if failover:
+            parts = parts[:3]
         if len(parts) != 3 or parts[0] not in ROLES or parts[1] not in PHASES or \
-                parts[2] not in SIGNALS:
-            raise ValueError("cell %r: expected role/phase/signal with role in %s, phase in %s, "
-                             "signal in %s" % (text, ROLES, PHASES, tuple(SIGNALS)))
-        return cls(*parts)
+                parts[2] not in SIGNALS or failover and parts[0] != "server":
+            raise ValueError("cell %r: expected role/phase/signal[/failover] with role in %s, "
+                             "phase in %s, signal in %s (failover: a server)"
+                             % (text, ROLES, PHASES, tuple(SIGNALS)))
+        return cls(*parts, failover=failover)
 
     @property
     def start_timeout(self):
@@ -109,7 +128,9 @@ class Cell:
         return HEARTBEAT_TIMEOUT + 10.0
 
 
-def all_cells():
+def all_cells(failover=False):
+    if failover:
+        return [Cell("server", p, s, True) for p in PHASES for s in SIGNALS]
     return [Cell(r, p, s) for r in ROLES for p in PHASES for s in SIGNALS]
 
 
@@ -122,6 +143,9 @@ class Trial:
     detection: Optional[float] = None   # seconds from the signal to the last survivor's exit
     hang: bool = False
     setup_failed: bool = False   # the phase never came (not a verdict on detection)
+    completed: bool = False      # --failover: every survivor exited 0
+    same_weights: bool = False   # ... with the weights of the run without a fault
+    rebuild: Optional[float] = None   # ... seconds from finding the server lost to in place
     seconds: float = 0.0
     detail: str = ""
 
@@ -133,6 +157,8 @@ def _setup(cell, out):
     """(env, role_env, trigger markers, default victim node name) for a cell."""
     env = dict(BASE_ENV, FAULT_OUT=out, MXPS_FAULT_DIR=out,
                MXPS_START_TIMEOUT=str(cell.start_timeout))
+    if cell.failover:
+        env.update(FAILOVER_ENV)
     role_env = {}
     victim = {"worker": "w1", "server": "s1", "scheduler": "sched"}[cell.role]
 
@@ -224,10 +250,87 @@ def _trial(job, cell, trial, out, markers, victim_name):
     survivors = [n for n in job.nodes if n is not victim]
     try:
         job.wait(lambda: all(n.returncode is not None for n in survivors),
-                 cell.bound + HANG_MARGIN, "exit of every survivor")
+                 cell.bound + HANG_MARGIN + (60 if cell.failover else 0),
+                 "exit of every survivor")
     except runner.JobTimeout:
         trial.hang = True
-    _judge(job, cell, trial, victim, survivors, signalled)
+    if cell.failover:
+        _judge_failover(job, cell, trial, victim, survivors, signalled, out)
+    else:
+        _judge(job, cell, trial, victim, survivors, signalled)
+
+
+_REFERENCE = {}
+_REFERENCE_LOCK = threading.Lock()
+
+
+def _weights(out):
+    got = []
+    for r in (0, 1):
+        path = os.path.join(out, "weights_rank%d.npz" % r)
+        got.append(dict(np.load(path)) if os.path.exists(path) else None)
+    return got
+
+
+def reference_weights():
+    """The weights of the --failover job run without a fault (once per process)."""
+    with _REFERENCE_LOCK:
+        if "w" not in _REFERENCE:
+            log_dir = tempfile.mkdtemp(prefix="mxps-matrix-reference-")
+            out = os.path.join(log_dir, "out")
+            os.makedirs(out)
+            env = dict(BASE_ENV, FAULT_OUT=out, MXPS_START_TIMEOUT=str(LATE_START_TIMEOUT),
+                       **FAILOVER_ENV)
+            try:
+                result = runner.Job([FAULT_JOB], 2, 2, env=env, log_dir=log_dir,
+                                    cpu_interval=None, timeout=TRIGGER_TIMEOUT + 120).run()
+                if not result.ok:
+                    raise RuntimeError("the reference job failed: %s" % result.describe(
+                        tails="all", tail_chars=1500))
+                _REFERENCE["w"] = _weights(out)
+            finally:
+                shutil.rmtree(log_dir, ignore_errors=True)
+        return _REFERENCE["w"]
+
+
+def _judge_failover(job, cell, trial, victim, survivors, signalled, out):
+    problems = []
+    times = []
+    for n in survivors:
+        if n.returncode is None:
+            problems.append("%s still running" % n.name)
+            continue
+        times.append(n.exited_at - signalled)
+        if n.returncode != 0:
+            problems.append("%s exited %s, not 0" % (n.name, n.returncode))
+    trial.detection = max(times) if times else None     # here: the job's end after the signal
+    trial.completed = not problems
+    ref, got = reference_weights(), _weights(out)
+    same = all(g is not None and sorted(g) == sorted(r) and all(
+        np.array_equal(g[k], r[k]) for k in r) for g, r in zip(got, ref))
+    trial.same_weights = same
+    if not same:
+        diff = [(k, float(np.abs(g[k] - r[k]).max())) for g, r in zip(got, ref)
+                if g is not None for k in r]
+        problems.append("weights differ from the run without a fault: %s" % (diff or "missing"))
+    info = runner.read_job_info(os.path.join(job.result.log_dir, "job-info.json")) or {}
+    fos = info.get("failovers") or []
+    if not fos:
+        problems.append("the job facts record no failover")
+    for fo in fos:
+        if fo.get("server") is not None:
+            if fo.get("in_place_at") is None:
+                problems.append("the failover of server %s never was in place" % fo["server"])
+                continue
+            trial.rebuild = max(trial.rebuild or 0.0, fo["in_place_at"] - fo["detected_at"])
+            if trial.rebuild > REBUILD_BOUND:
+                problems.append("the failover took %.1f s (bound %.0f s)"
+                                % (trial.rebuild, REBUILD_BOUND))
+    trial.ok = not problems
+    if problems:
+        trial.detail = "%s (victim %s pid %d): %s\n%s" % (
+            cell.name, victim.name, victim.pid, "; ".join(problems),
+            job.result.describe(since=signalled, tails="all", tail_chars=1500))
 
 
 def _judge(job, cell, trial, victim, survivors, signalled):
@@ -301,10 +404,32 @@ def summarize(results):
         r["setup_failed"] += t.setup_failed
         if t.detection is not None:
             r["max_detection"] = max(r["max_detection"] or 0.0, t.detection)
-    return [rows[c.name] for c in all_cells() if c.name in rows]
+        r["completed"] = r.get("completed", 0) + t.completed
+        r["same_weights"] = r.get("same_weights", 0) + t.same_weights
+        if t.rebuild is not None:
+            r["max_rebuild"] = max(r.get("max_rebuild") or 0.0, t.rebuild)
+    return [rows[c.name] for c in all_cells() + all_cells(True) if c.name in rows]
+
+
+def failover_table(rows):
+    lines = ["| cell (victim/phase/signal) | trials | job completed | weights = uninterrupted "
+             "run | max failover in place after detection (s) | max job end after the "
+             "signal (s) | hangs | phase not reached |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append("| %s | %d | %d | %d | %s | %s | %d | %d |" % (
+            r["cell"], r["trials"], r["completed"], r["same_weights"],
+            "-" if r.get("max_rebuild") is None else "%.3f" % r["max_rebuild"],
+            "-" if r["max_detection"] is None else "%.1f" % r["max_detection"],
+            r["hangs"], r["setup_failed"]))
+    return "\n".join(lines)
 
 
 def table(rows):
+    failover = [r for r in rows if r["cell"].endswith("/failover")]
+    rows = [r for r in rows if not r["cell"].endswith("/failover")]
+    if failover:
+        return "\n\n".join(([table(rows)] if rows else []) + [failover_table(failover)])
     lines = ["| cell (victim/phase/signal) | trials | passed | survivors exit 3 | message names "
              "the node | max detection (s) | bound (s) | hangs | phase not reached |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -328,7 +453,10 @@ def _from_json(d):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--cells", default="", help="comma-separated role/phase/signal (default: all)")
+    ap.add_argument("--cells", default="", help="comma-separated role/phase/signal[/failover] "
+                    "(default: all)")
+    ap.add_argument("--failover", action="store_true", help="the server cells with "
+                    "MXPS_FAILOVER=1 (the default cells: all of them)")
     ap.add_argument("--parallel", type=int, default=1, help="jobs at once (each is 5 processes)")
     ap.add_argument("--minutes", type=float, default=0.0, help="start no trial after this "
                     "many minutes (0: no limit); the table says how many trials ran")
@@ -344,7 +472,8 @@ def main(argv=None):
             results = [_from_json(json.loads(line)) for line in f if line.strip()]
         print(table(summarize(results)))
         return 0
-    cells = [Cell.parse(c) for c in args.cells.split(",") if c.strip()] or all_cells()
+    cells = [Cell.parse(c) for c in args.cells.split(",") if c.strip()] or \
+        all_cells(args.failover)
     t0 = time.monotonic()
 
     def progress(t):

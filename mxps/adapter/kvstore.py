@@ -41,7 +41,7 @@ from ..store import row_sets as sparse_rows
 from ..store.checkpoints import RoundClock
 from ..store.table_init import TableInit
 from ..roles.link import PeerLostError, fatal
-from ..roles.worker import Client
+from ..roles.worker import Client, RemoteError
 from ..wire import compression as compression_mod, frame as wire, typed
 from ..wire.frame import Header, MsgType
 from ..kernels.ndview import cut_state, handle_value, numpy_view
@@ -912,9 +912,18 @@ class MXPS(KVStoreBase):
         self._updater = mx.optimizer.get_updater(optimizer)
         if self.rank == 0:
             body = pickle.dumps(self._server_copy(optimizer))
-            for s in range(self._client.num_servers):
-                self._client.call(s, Header(MsgType.SET_OPTIMIZER), body, what="set_optimizer")
+            self._call_live(Header(MsgType.SET_OPTIMIZER), body, "set_optimizer")
         self._client.barrier()
+
+    def _call_live(self, header, body, what):
+        """Call every server not lost; one lost meanwhile (MXPS_FAILOVER) is skipped: its keys
+        are on the others now, rebuilt from the workers."""
+        for s in self._client.live_servers():
+            try:
+                self._client.call(s, Header(header.type), body, what=what)
+            except RemoteError:
+                if s not in self._client.lost:
+                    raise
 
     @staticmethod
     def _server_copy(optimizer):
@@ -935,17 +944,19 @@ class MXPS(KVStoreBase):
             raise RuntimeError("mxps: no optimizer on the servers (call set_optimizer, or "
                                "use update_on_kvstore=True)")
         mx.nd.waitall()
-        parts = {}
-        counts = {}
-        num_update = 0
         by_id = {k.id: k for k in self._keys.values()}
-        for s in range(self._client.num_servers):
-            _, payload = self._client.call(s, Header(MsgType.GET_STATES), what="save states")
-            reply = read_states_reply(s, payload, by_id)
-            for key, off, _, state in reply["states"]:
-                parts.setdefault(key, []).append((off, state))
-            counts.update(reply["counts"])
-            num_update = max(num_update, reply["num_update"])
+        while True:
+            # a server lost meanwhile (MXPS_FAILOVER): its slices are on the others now, and
+            # some of those answered before they had them; ask the servers left again
+            seen = len(self._client.failovers)
+            try:
+                parts, counts, num_update = self._gather_states(by_id)
+            except RemoteError:
+                if len(self._client.failovers) == seen:
+                    raise
+                continue
+            if len(self._client.failovers) == seen:
+                break
         states = {}
         for key, pieces in parts.items():
             pieces.sort(key=lambda p: p[0])
@@ -961,6 +972,17 @@ class MXPS(KVStoreBase):
         data = pickle.dumps((states, optimizer) if dump_optimizer else states)
         with open(fname, "wb") as f:
             f.write(data)
+
+    def _gather_states(self, by_id):
+        parts, counts, num_update = {}, {}, 0
+        for s in self._client.live_servers():
+            _, payload = self._client.call(s, Header(MsgType.GET_STATES), what="save states")
+            reply = read_states_reply(s, payload, by_id)
+            for key, off, _, state in reply["states"]:
+                parts.setdefault(key, []).append((off, state))
+            counts.update(reply["counts"])
+            num_update = max(num_update, reply["num_update"])
+        return parts, counts, num_update
 
     def load_optimizer_states(self, fname):
         """Load states saved by ``save_optimizer_states`` into the servers."""
@@ -989,6 +1011,8 @@ class MXPS(KVStoreBase):
             counts = {i: int(c) for i, c in opt._index_update_count.items()
                       if isinstance(i, int) and i >= 0}
             for s, states in enumerate(per_server):
+                if s in self._client.lost:
+                    continue
                 self._client.call(s, Header(MsgType.SET_OPTIMIZER), body, what="load states")
                 self._client.call(s, Header(MsgType.SET_STATES), typed.pack(
                     {"states": states, "counts": counts, "num_update": int(opt.num_update)}),

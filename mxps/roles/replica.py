@@ -146,3 +146,4 @@ class Replicas:
             self._replica_out.clear()
             for slot in list(self.slots.values()):
                 self._replicate(slot)
+                self._answer_waiting(slot)     # with no buddy left, pulls wait no more

@@ -26,6 +26,8 @@ import json
 import logging
 import time
 
+import numpy as np
+
 from ..placement.plan import table_to_json
 from ..wire import frame as wire
 from ..wire.frame import Header, MsgType
@@ -51,6 +53,18 @@ class _SeedReply:
                 errors="replace")))
 
 
+class _Lost:
+    """The payload of an ERROR answered for a lost server (as a zmq frame has ``bytes``)."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self, text):
+        self.bytes = text
+
+    def __bytes__(self):
+        return self.bytes
+
+
 class Rerouting:
     """Part of the worker's ``Client`` (see the module docstring)."""
 
@@ -63,6 +77,9 @@ class Rerouting:
         # per server: (key, offset) -> [(header, payload)] of pushes it acknowledged of rounds
         # this worker has not pulled from it yet
         self._acked = [{} for _ in range(n)]
+        # per server: (key, offset) -> (payload, dtype code) of an INIT it acknowledged, until
+        # this worker's first pull of the slice (a successor's seed before any pull)
+        self._inits = [{} for _ in range(n)]
         self.lost = set()
         # the adapter's: (version, lost server) -> (old table, new table, {(key, offset):
         # (successor, length)}); and (key, offset) -> (server, plan version) of the plan in
@@ -78,9 +95,12 @@ class Rerouting:
             acked.append((request, payload))
             if len(acked) > 2:      # a key pushed and not pulled: its last rounds only
                 del acked[0]
+        if request.type == MsgType.INIT and h.type == MsgType.ACK:
+            self._inits[server][(request.key, request.offset)] = (payload, request.dtype)
         if request.type in (MsgType.PULL, MsgType.PUSHPULL) and h.type == MsgType.DATA:
             part = (request.key, request.offset)
             self._pulled[server][part] = (h.iteration, on_reply, h.dtype)
+            self._inits[server].pop(part, None)
             acked = self._acked[server].get(part)
             if acked:
                 acked[:] = [(q, p) for q, p in acked if q.iteration > h.iteration]
@@ -104,12 +124,27 @@ class Rerouting:
         self.link.send(MsgType.FAILOVER, json.dumps(
             {"version": version, "dead": dead, "old": table_to_json(old),
              "new": table_to_json(new)}).encode())
+        # 0. an INIT the lost server did not answer: the successor builds the slice from its
+        #    value (the seed below), so it is done
+        inits = self._inits[dead]
+        for rid, entry in list(self._pending.items()):
+            on_reply, _, server, h, _, payload = entry
+            if server == dead and h.type == MsgType.INIT and (h.key, h.offset) in moved:
+                del self._pending[rid]
+                inits[(h.key, h.offset)] = (payload, h.dtype)
+                on_reply(h.reply(MsgType.ACK, length=0), None)
         # 1. the successors' seeds: this worker's copy of each lost slice
         pulled = self._pulled[dead]
         for (key, offset), (to, length) in sorted(moved.items()):
             got = pulled.get((key, offset))
             what = "SEED of key %d [%d, +%d) to server %d" % (key, offset, length, to)
-            if got is None or getattr(got[1], "dview", None) is None:
+            init = inits.get((key, offset))
+            if got is None and init is not None and init[0] is not None:
+                # initialised, never pulled: the value this worker initialised it with
+                h = Header(MsgType.SEED, key=key, plan_version=version, offset=offset,
+                           length=length, dtype=init[1], iteration=0)
+                payload = np.array(init[0], copy=True).reshape(-1)
+            elif got is None or getattr(got[1], "dview", None) is None:
                 h = Header(MsgType.SEED, key=key, plan_version=version, offset=offset,
                            length=length, dtype=wire.NO_DTYPE, iteration=0)
                 payload = None
@@ -133,9 +168,12 @@ class Rerouting:
                 self._unacked[dead] -= held
                 self._unacked_count[dead] -= 1
             if h.type not in _DATA:
-                self.link.fail("server %d was lost while it had %s of this worker to answer; "
-                               "only data requests go to a successor (MXPS_FAILOVER)"
-                               % (dead, MsgType(h.type).name))
+                # a control request (GET_STATES, SET_OPTIMIZER, ...): answered here with an
+                # ERROR saying the server is lost; its caller asks the servers left
+                # (``live_servers``) again
+                on_reply(h.reply(MsgType.ERROR, dtype=wire.NO_DTYPE, length=0), _Lost(
+                    b"server %d was lost (MXPS_FAILOVER)" % dead))
+                continue
             to = self._successor(moved, h)
             if held:
                 self._unacked[to] += held
@@ -165,11 +203,16 @@ class Rerouting:
             q.sort()
         self._pulled[dead] = {}
         self._acked[dead] = {}
+        self._inits[dead] = {}
         took = time.monotonic() - t0
         self.failovers.append((version, dead, took))
         log.warning("worker %d: server %d lost; %d slices go to %s (plan %d), %d requests sent "
                     "again (%.3f s)", self.rank, dead, len(moved),
                     sorted({to for to, _ in moved.values()}), version, again, took)
+
+    def live_servers(self):
+        """The ranks of the servers not lost to a failover."""
+        return [s for s in range(len(self.servers)) if s not in self.lost]
 
     def _successor(self, moved, h):
         """The successor of request ``h``'s slice, with ``h`` set to the plan in force."""

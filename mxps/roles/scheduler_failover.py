@@ -18,9 +18,11 @@ state, or while the start-up is not complete, ends the job as before; re-plannin
 a failover (the planner places on every server of the job).  The scheduler's own death ends
 the job: every node gives up after MXPS_HEARTBEAT_TIMEOUT of its silence.
 """
+import dataclasses
 import json
 import logging
 
+from ..placement import adaptive
 from ..placement.plan import table_to_json
 from ..wire.frame import MsgType
 
@@ -60,6 +62,43 @@ class Failover:
         for w in workers:
             self._send(w, MsgType.FAILOVER, body, plan_version=self.plan_version)
         self._step.facts = self.facts()
+
+    # -- during start-up: the job starts with the servers it has -----------------------------
+    def _start_without(self, node, why):
+        """A server that registered went silent before the job started: forget it and start
+        with one server fewer (no key is placed yet, nothing is lost)."""
+        servers = self._count("server")
+        if servers <= 1:
+            self._abort("lost %s during start-up: %s; no other server registered"
+                        % (node.describe(), why))
+            return
+        del self.nodes[node.ident]
+        log.warning("lost %s during start-up: %s; the job starts without it (MXPS_FAILOVER)",
+                    node.describe(), why)
+        self._shrink(self.want["server"] - 1, "lost %s during start-up" % node.describe())
+
+    def _start_short(self):
+        """At the start deadline, every worker but not every server here: start with the
+        servers that came (MXPS_FAILOVER).  False if the job cannot start."""
+        have = self._count("server")
+        if not self.cfg.failover or have < 1 or self._count("worker") < self.want["worker"]:
+            return False
+        log.warning("%d of %d servers registered within %.0f s (MXPS_START_TIMEOUT); the job "
+                    "starts with them (MXPS_FAILOVER)", have, self.want["server"],
+                    self.cfg.start_timeout)
+        self._shrink(have, "%d of %d servers came" % (have, self.want["server"]))
+        return True
+
+    def _shrink(self, servers, why):
+        self.want["server"] = servers
+        self.cfg = dataclasses.replace(self.cfg, num_servers=servers)
+        self.replanner = adaptive.Replanner(servers, self.cfg.num_workers,
+                                            window=self.cfg.replan_window,
+                                            one_round=self.cfg.replan_one_round)
+        self.failovers.append({"server": None, "during": "start-up", "why": why,
+                               "servers": servers})
+        if all(self._count(r) == k for r, k in self.want.items()):
+            self._start()
 
     def _on_failover_tables(self, node, version, old, new):
         """A worker's successor tables (checked): the PLAN for the survivors (the first

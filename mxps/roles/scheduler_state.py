@@ -335,7 +335,8 @@ class SchedulerState(Failover):
                 self._end_job(0, CLEAN_EXIT_REASON)
         elif self.started_at is None:
             if now >= self.start_deadline:
-                self._abort(self._start_timeout_message())
+                if not self._start_short():
+                    self._abort(self._start_timeout_message())
             else:
                 self._check_heartbeats(starting=True)
         elif not self._check_plan_deadline():
@@ -593,8 +594,13 @@ class SchedulerState(Failover):
                 continue
             silent = self._now - n.last_heard
             if not n.finished and silent > self.cfg.heartbeat_timeout:
-                if not starting and n.role == "server" and self.cfg.failover:
-                    self._fail_over(n, silent)
+                if n.role == "server" and self.cfg.failover:
+                    if starting:
+                        self._start_without(n, "no heartbeat for %.1f s" % silent)
+                    else:
+                        self._fail_over(n, silent)
+                    if self.exit is not None or self.started_at is not None:
+                        return
                     continue
                 self._abort("lost %s%s: no heartbeat for %.1f s (MXPS_HEARTBEAT_TIMEOUT=%s); the "
                             "process died or hangs" % (

@@ -342,7 +342,7 @@ class Client(Rerouting):
         if self.cfg.mode == "wsp":
             # WSP rounds stop counting on this worker (docs/WSP.md): without this, the rounds
             # the others still push into would wait for it for ever
-            for server in range(self.num_servers):
+            for server in self.live_servers():
                 self.call(server, Header(MsgType.LEAVE, sender=self.rank), what="leave")
         self._queue.append((None, Header(MsgType.FINISH, sender=self.rank), None, None, None))
         self._wake()
