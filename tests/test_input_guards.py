@@ -18,6 +18,7 @@ keys (float16 with a float32 master copy).
 """
 import json
 import os
+import types
 
 import mxnet as mx
 import numpy as np
@@ -50,6 +51,7 @@ def on_gpu(shape=(4,)):
 def bare_kvstore(keys=(), optimizer=None):
     """An mxps kvstore that never joined a job (no connection, one server's plan)."""
     kv = MXPS.__new__(MXPS)
+    kv._cfg = types.SimpleNamespace(failover=False)
     kv._keys, kv._str_ids, kv._ids = {}, {}, {}
     kv._optimizer = optimizer
     kv._compression = None
@@ -256,3 +258,19 @@ def test_float_dtypes_with_sgd_on_the_servers_match_mxnets_local_updates(tmp_pat
             "mxps: init: key 50 has dtype int32, but the optimizer on the servers updates "
             "floating-point keys only")
 
+
+
+def test_with_failover_a_push_with_the_update_on_the_workers_is_refused_before_it_is_sent():
+    # MXPS_FAILOVER rebuilds a lost slice from the weights the workers pulled; with the update
+    # on the workers the servers hold round sums the workers overwrite
+    kv = staging_kvstore()
+    kv._cfg = types.SimpleNamespace(failover=True)
+    served = Served(kv, 0.0)
+    with pytest.raises(ValueError, match="push of key 'w': MXPS_FAILOVER=1 needs the "
+                                         "optimizer on the servers"):
+        kv.push("w", mx.nd.ones((4,)))
+    assert not served.pushed and kv._keys["w"].pushes == 0
+    kv._optimizer = mx.optimizer.SGD()
+    kv.push("w", mx.nd.ones((4,)))
+    mx.nd.waitall()
+    assert len(served.pushed) == 1

@@ -17,6 +17,7 @@ import pytest
 
 from mxps.config import Config
 from mxps.placement import adaptive
+from mxps.placement.failover import successors
 from mxps.placement.plan import Slice, table_from_json, table_to_json
 from mxps.roles import scheduler
 from mxps.roles.link import EXIT_LOST_PEER
@@ -390,6 +391,36 @@ def report(round_, full=True, force=0, lead=False):
     if lead:
         r.update(keys=[list(k) for k in KEYS], table=table_to_json(OLD))
     return r
+
+
+def test_a_server_lost_during_a_move_rolls_it_back_and_fails_over_from_the_plan_before():
+    # MXPS_FAILOVER: plan 1 moves state (the workers wait at the point) when server 1 goes
+    # silent; the survivors get plan 2, which rolls plan 1 back and puts the lost server's
+    # slices of the table before it on the others (as the workers compute from the table they
+    # hold), and the point is released with that table once it is in place
+    job = started(servers=3, heartbeat_timeout=10.0, failover=True)
+    keys = {"keys": [list(k) for k in KEYS], "table": table_to_json(OLD)}
+    job.send(b"w1", MsgType.REPLAN, report(2, force=1))
+    job.send(b"w0", MsgType.REPLAN, dict(report(2, force=1), **keys))
+    job.send(b"s0", MsgType.PLAN, {"version": 1, "moved_bytes": 0})
+    for _ in range(10):
+        job.heartbeat_all(except_=[b"s1"], after=1.0)
+    step = job.tick(0.5)
+    assert step.exit is None and not sent(step, MsgType.REPLAN)
+    plans = sent(step, MsgType.PLAN)
+    assert sorted(plans) == [b"s0", b"s2"]
+    (plan,) = plans[b"s0"]
+    assert (plan["version"], plan["lost"], plan["abandon"]) == (2, [1], 1)
+    new, _ = successors(OLD, {1}, 3)
+    assert table_from_json(plan["old"]) == OLD and table_from_json(plan["new"]) == new
+    assert sent(step, MsgType.FAILOVER)[b"w0"] == [{"version": 2, "dead": 1}]
+    job.send(b"s0", MsgType.PLAN, {"version": 2, "moved_bytes": 0, "reset": []})
+    step = job.send(b"s2", MsgType.PLAN, {"version": 2, "moved_bytes": 0, "reset": []})
+    released = sent(step, MsgType.REPLAN)
+    assert sorted(released) == WORKERS
+    assert table_from_json(released[b"w0"][0]["table"]) == new
+    (fo,) = step.facts["failovers"]
+    assert (fo["during_plan"], fo["slices"]) == (1, 1) and fo["in_place_at"] is not None
 
 
 def test_a_point_takes_traffic_with_or_without_the_rounds_second_half():

@@ -841,7 +841,7 @@ def test_with_a_replica_a_lost_slice_takes_its_state_from_the_buddy_and_ends_as_
             value_of(only(s2.on_peer_reply(0, ack.header), MsgType.DATA)),
             s2.slots[(5, 0)].store.snapshot)
     weights = s2.slots[(5, 0)].store.snapshot.copy()
-    assert sorted(s0.replicas[(5, 0)]) == [1, 2]
+    assert sorted(s0.replicas[(5, 0, 8)]) == [1, 2]
     old, new = {5: (whole,)}, {5: (Slice(0, 0, 8),)}
     body = json.dumps({"version": 1, "old": table_to_json(old), "new": table_to_json(new),
                        "lost": [2]}).encode()
@@ -861,6 +861,40 @@ def test_with_a_replica_a_lost_slice_takes_its_state_from_the_buddy_and_ends_as_
     assert send(s0, MsgType.PULL, 5, it=3, length=8, version=1) == []
     got = value_of(only(s0.on_peer_reply(1, rep.header.reply(MsgType.ACK, length=0)),
                         MsgType.DATA))
+    np.testing.assert_allclose(got, alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
+
+
+def test_a_server_lost_during_a_move_rolls_the_move_back_and_ends_as_if_no_loss():
+    # a re-plan moves key 5 from server 0's [0, 8) to server 0's [0, 3) and server 2's [3, 8)
+    # (every worker drained, holding the weights of round 2, Adam's state on server 0 only);
+    # server 0 cut both parts, built [0, 3), and sent [3, 8) when server 2 died.  The failover
+    # plan rolls the move back: server 0 drops [0, 3) and puts [0, 8) back from its copy, with
+    # Adam's state and count, and round 3 ends as on one server that moved nothing
+    opt = pickle.dumps(mx.optimizer.Adam(learning_rate=0.1))
+    alone = new_server(optimizer=opt, keys={5: VALUE})
+    push_rounds([(alone, OLD[5][0])], GRADS)
+    s0 = new_server(rank=0, optimizer=opt, keys={5: VALUE}, num_servers=3, failover=True)
+    s1 = new_server(rank=1, optimizer=opt, num_servers=3, failover=True)
+    push_rounds([(s0, OLD[5][0])], GRADS[:2])
+    before = {5: (Slice(0, 0, 8),)}
+    moving = {5: (Slice(0, 0, 3), Slice(2, 3, 5))}
+    body = json.dumps({"version": 1, "old": table_to_json(before),
+                       "new": table_to_json(moving)}).encode()
+    outs = s0.on_scheduler(Header(MsgType.PLAN), body)
+    assert [o.dest for o in outs if o.to == Out.PEER] == [2]     # the part for server 2
+    assert (s0.slots[(5, 0)].length, s0.slots[(5, 0)].since) == (3, 1)
+    s1.on_scheduler(Header(MsgType.PLAN), body)                  # nothing to do
+    # the failover plan: back to the table before the move, server 2 lost (it held nothing)
+    body = json.dumps({"version": 2, "old": table_to_json(before), "new": table_to_json(before),
+                       "lost": [2], "abandon": 1}).encode()
+    reports = [json.loads(o.payload) for o in s0.on_scheduler(Header(MsgType.PLAN), body)
+               if o.to == Out.SCHEDULER]
+    assert reports == [{"version": 2, "moved_bytes": 0, "reset": []}]
+    slot = s0.slots[(5, 0)]
+    assert (slot.length, slot.applied) == (8, 2) and counts(s0) == {5: 2}
+    for w, g in enumerate(GRADS[2]):
+        only(send(s0, MsgType.PUSH, 5, w=w, it=3, value=g, version=2), MsgType.ACK)
+    got = value_of(only(send(s0, MsgType.PULL, 5, it=3, length=8, version=2)))
     np.testing.assert_allclose(got, alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
 
 

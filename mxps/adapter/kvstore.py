@@ -635,6 +635,15 @@ class MXPS(KVStoreBase):
         self._metrics.new_plan(r, self._plan.version, answer.get("moved_bytes", 0))
         log.info("worker %d: plan %d from round %d", self.rank, self._plan.version, r)
 
+    def _check_failover(self, k):
+        """MXPS_FAILOVER rebuilds a lost slice from the weights the workers pulled: a push
+        with the update on the workers (the servers hold each round's sum) is refused."""
+        if self._cfg.failover and self._optimizer is None:
+            raise ValueError("mxps: push of key %r: MXPS_FAILOVER=1 needs the optimizer on "
+                             "the servers (update_on_kvstore=True, or set_optimizer before "
+                             "pushing): with the update on the workers a lost server's round "
+                             "sums cannot be rebuilt" % (k.name,))
+
     def _failover(self, version, dead):
         """Server ``dead`` is lost (the I/O thread, at the scheduler's FAILOVER): the plan of
         ``version`` puts its slices on the survivors (``Plan.without``).  Returns (the old
@@ -698,6 +707,7 @@ class MXPS(KVStoreBase):
             self._check(k, vals, "push")
             if self._compression is not None:
                 check_compressible(k.name, k.dtype)
+            self._check_failover(k)
             grad = self._reduce(k, vals)
             self._next_push(k)
             self._launch(k, MsgType.PUSH, grad, None, priority)
@@ -736,6 +746,7 @@ class MXPS(KVStoreBase):
             self._check(k, outs, "pull")
             if self._compression is not None:
                 check_compressible(k.name, k.dtype)
+            self._check_failover(k)
             grad = self._reduce(k, vals)
             dst, rest = self._pull_target(k, outs)
             self._next_push(k)

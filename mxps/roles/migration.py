@@ -164,7 +164,13 @@ def read_plan(payload, num_servers, current):
     for key, slices in new.items():
         if any(x.server in lost for x in slices):
             raise PlanError("plan %d: key %d placed on a lost server" % (version, key), version)
-    return version, old, new, {(k, o, n): w for k, o, n, w in seeds}, lost
+    abandon = body.get("abandon")
+    if abandon is not None and (not isinstance(abandon, int) or isinstance(abandon, bool)
+                                or not lost):
+        raise PlanError("plan %d: abandon is the version of the plan a failover rolls back"
+                        % version, version)
+    return version, old, new, {(k, o, n): w for k, o, n, w in seeds}, lost, \
+        {"abandon": abandon}
 
 
 class Migrating:
@@ -287,13 +293,20 @@ class Migrating:
                 self._error(client, h, str(e))
         self._answer_waiting(slot)
 
-    def _on_plan(self, version, old, new, seeds=None, lost=()):
+    def _on_plan(self, version, old, new, seeds=None, lost=(), abandon=None):
         """The scheduler's new plan.  Every worker has stopped with nothing in flight, so every
         round is complete: send each new owner its part of this server's old slices (value,
         optimizer state, update count), keep the part that stays, and build each new slice once
         all of its parts are here; then tell the scheduler.  A failover plan (``lost``
         servers) moves only the lost servers' slices, each whole to one successor, while the
-        workers go on: requests of the plan before it stay valid for the slices it leaves."""
+        workers go on: requests of the plan before it stay valid for the slices it leaves.
+        A failover during a move (``abandon``: that plan's version) first rolls that move
+        back (``_abandon``); ``old`` is then the table before it."""
+        if abandon is not None:
+            self._abandon(abandon)
+        elif not lost:
+            self.stash = {}            # the slices cut for the last plan: that one is in place
+            self._prune_replicas(old, new)
         mig = self.migration = _Migration(version, seeds, lost)
         self.plan_version = version
         if not lost:
@@ -323,6 +336,9 @@ class Migrating:
                     lo, hi = max(x.offset, o.offset), min(x.stop, o.stop)
                     if hi > lo or empty:
                         parts.append((x.server, self._cut(slot, lo, hi, x.offset)))
+                if self.failover:
+                    # MXPS_FAILOVER: kept until the next plan, in case this one is rolled back
+                    self.stash[(key, o.offset)] = self._cut(slot, o.offset, o.stop, o.offset)
                 self._drop(slot)
             for n in slices:
                 if n.server == self.rank and n not in stay:
@@ -356,6 +372,41 @@ class Migrating:
         if lost:
             self._lost(lost)
         self._maybe_done(mig)
+
+    def _abandon(self, version):
+        """Roll plan ``version`` back (a server was lost during its move, while every worker
+        waited at the point): forget its slices being built, its parts on their way and what
+        came early for it, drop the slices it built here, and put back the ones this server
+        cut for it, from their copies (value, optimizer state, update count, round)."""
+        mig = self.migration
+        if mig is not None and mig.version == version:
+            mig.incoming.clear()
+            mig.outgoing.clear()
+            mig.seeded.clear()
+            mig.done = True
+        self.early_parts = [(v, p) for v, p in self.early_parts if v != version]
+        self.early_seeds = [x for x in self.early_seeds if x[0] != version]
+        self.deferred.clear()
+        self.held_packets.clear()
+        for slot in [x for x in self.slots.values() if x.since == version]:
+            self._drop(slot)
+        stash, self.stash = self.stash, {}
+        for (key, offset), part in stash.items():
+            slot = self._moved_slot(key, offset, part["length"], part["dtype"], part["cols"],
+                                    np.array(part["value"], copy=True), part.get("state"))
+            slot.applied = part["applied"]
+            self.policy.moved(slot)
+            if self.updater is not None:
+                slot.store.serve_weights(copy=self.policy.copies)
+                if slot.index != key:
+                    self._alias(slot)
+                if "count" in part:
+                    update_counts(self.updater.optimizer)[slot.index] = part["count"]
+            self.slots[(key, offset)] = slot
+            self._unfast()
+            self._after_round(slot)
+        log.warning("server %d: plan %d rolled back (%d slices put back)", self.rank, version,
+                    len(stash))
 
     def _cut(self, slot, lo, hi, target):
         """The elements [lo, hi) of ``slot`` (key coordinates) as a migration part of the new

@@ -61,7 +61,7 @@ class Replicas:
 
     def _init_replicas(self, on):
         self.replica = on
-        self.replicas = {}         # (key, offset) -> {round: (length, state, count)}
+        self.replicas = {}         # (key, offset, length) -> {round: (state, count)}
         self.lost_servers = set()
         self._replica_out = {}     # request id -> (key, offset, round)
         self._replica_ids = 0
@@ -108,8 +108,8 @@ class Replicas:
     def _on_replica(self, client, h, payload):
         """REPLICA from the server whose buddy this one is: keep the last rounds."""
         body = read_replica(h, payload)
-        kept = self.replicas.setdefault((body["key"], body["offset"]), {})
-        kept[body["applied"]] = (body["length"], body.get("state"), body.get("count"))
+        kept = self.replicas.setdefault((body["key"], body["offset"], body["length"]), {})
+        kept[body["applied"]] = (body.get("state"), body.get("count"))
         for r in sorted(kept)[:-self.KEEP]:
             del kept[r]
         self._reply(client, h, MsgType.ACK, length=0)
@@ -132,10 +132,14 @@ class Replicas:
 
     def replica_of(self, key, offset, length, round_):
         """(state, update count) the buddy keeps of a slice after ``round_``, or None."""
-        got = self.replicas.get((key, offset), {}).get(round_)
-        if got is None or got[0] != length:
-            return None
-        return got[1], got[2]
+        return self.replicas.get((key, offset, length), {}).get(round_)
+
+    def _prune_replicas(self, old, new):
+        """A plan from ``old`` to ``new``: keep the replicas of the slices of either table (a
+        move a lost server interrupts is rolled back to ``old``), forget the others."""
+        keep = {(k, x.offset, x.length) for t in (old, new) for k, xs in t.items() for x in xs}
+        for part in [p for p in self.replicas if p[0] in new and p not in keep]:
+            del self.replicas[part]
 
     def _lost(self, lost):
         """A failover plan left ``lost`` behind: if the buddy was among them, every slice goes

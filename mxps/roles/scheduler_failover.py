@@ -23,6 +23,7 @@ import json
 import logging
 
 from ..placement import adaptive
+from ..placement.failover import successors
 from ..placement.plan import table_to_json
 from ..wire.frame import MsgType
 
@@ -36,9 +37,13 @@ class Failover:
         why = "no heartbeat for %.1f s (MXPS_HEARTBEAT_TIMEOUT=%s)" % (
             silent, self.cfg.heartbeat_timeout)
         p = self.pending_plan
-        if p is not None:
-            self._abort("lost %s: %s, while plan %d moved state; a failover during a move is "
-                        "not supported (MXPS_FAILOVER)" % (node.describe(), why, p["version"]))
+        if p is not None and ("failover" in p or p.get("released") or "old" not in p):
+            # a second loss during a failover, or a move the workers did not wait for
+            # (MXPS_REPLAN_OVERLAP): they were not all drained
+            self._abort("lost %s: %s, while plan %d moved state; a failover during %s is not "
+                        "supported (MXPS_FAILOVER)" % (
+                            node.describe(), why, p["version"], "a failover" if "failover"
+                            in p else "an overlapped move"))
             return
         if len(self._servers()) < 2:
             self._abort("lost %s: %s; no server is left to take its keys"
@@ -52,6 +57,9 @@ class Failover:
                   "silent_s": round(silent, 3), "in_place_at": None,
                   "slices": 0, "state_reset": []}
         self.failovers.append(record)
+        if p is not None:
+            self._fail_over_move(node, why, p, record, workers)
+            return
         self.pending_plan = {"version": self.plan_version, "table": None, "acks": set(),
                              "planned": 0, "moved": 0, "sent": 0, "round": None,
                              "full_next": False, "released": True, "failover": record,
@@ -99,6 +107,36 @@ class Failover:
                                "servers": servers})
         if all(self._count(r) == k for r, k in self.want.items()):
             self._start()
+
+    def _fail_over_move(self, node, why, p, record, workers):
+        """A server lost while plan ``p`` moves state at a full point: every worker waits,
+        drained, at the point, still by the plan before ``p``.  The move is rolled back: each
+        survivor puts back the slices it had cut for ``p`` (it keeps a copy until the next
+        plan) and drops those ``p`` built, and the failover is the one of the plan before
+        ``p`` (the workers compute it so from the table they hold); the point is released
+        once it is in place."""
+        lost = {n.rank for n in self.nodes.values() if n.lost}
+        old = p["old"]
+        new, moved = successors(old, lost, self.cfg.num_servers, self.cfg.replica)
+        record["during_plan"] = p["version"]
+        record["slices"] = len(moved)
+        self.pending_plan = {"version": self.plan_version, "table": new, "acks": set(),
+                             "planned": 0, "moved": 0, "sent": 0, "round": p["round"],
+                             "full_next": p["full_next"], "failover": record,
+                             "abandoned": p["version"],
+                             "deadline": self._now + self.cfg.timeout}
+        log.warning("lost %s: %s, while plan %d moved state; that move is rolled back and plan "
+                    "%d puts the lost server's slices on the others (MXPS_FAILOVER)",
+                    node.describe(), why, p["version"], self.plan_version)
+        plan = {"version": self.plan_version, "old": table_to_json(old),
+                "new": table_to_json(new), "lost": sorted(lost), "abandon": p["version"]}
+        data = json.dumps(plan).encode()
+        for n in self._servers():
+            self._send(n, MsgType.PLAN, data, plan_version=self.plan_version)
+        body = json.dumps({"version": self.plan_version, "dead": node.rank}).encode()
+        for w in workers:
+            self._send(w, MsgType.FAILOVER, body, plan_version=self.plan_version)
+        self._step.facts = self.facts()
 
     def _on_failover_tables(self, node, version, old, new):
         """A worker's successor tables (checked): the PLAN for the survivors (the first

@@ -730,7 +730,8 @@ class SchedulerState(Failover):
         planned = adaptive.moved_bytes(old, table, 4)
         self.pending_plan = {"version": self.plan_version, "table": table, "acks": set(),
                              "planned": planned, "moved": planned, "sent": 0, "round": round_,
-                             "full_next": full_next, "deadline": self._now + self.cfg.timeout}
+                             "full_next": full_next, "deadline": self._now + self.cfg.timeout,
+                             "old": old}
         plan = {"version": self.plan_version, "old": table_to_json(old),
                 "new": table_to_json(table)}
         tasks = self._seeds(old, table, seed) if seed else None
@@ -785,6 +786,9 @@ class SchedulerState(Failover):
         self.pending_plan = None
         if "failover" in p:
             self._failover_in_place(p)
+            if p.get("abandoned") is not None:     # the workers wait at the point: release
+                self._record_point(p["round"], True, True, p["full_next"], 0)
+                self._release(self._plan_body(p))
             self._maybe_replan()
             return
         p["moved"] = p["sent"]

@@ -141,6 +141,7 @@ class Server:
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
                                  num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp,
                                  wsp=wsp, store=store, replica=self.cfg.replica,
+                                 failover=self.cfg.failover,
                                  progress=lambda: self.link.beat(time.monotonic()))
         self.peer_addrs = welcome["servers"]
         self.peer_seals = welcome["seals"]

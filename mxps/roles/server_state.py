@@ -76,7 +76,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
     ``on_peer_reply`` each take one message and return the ``Out``s it causes, in order."""
 
     def __init__(self, rank, num_workers, sync, num_servers=None, trace=None, ltp=None,
-                 wsp=None, store=None, progress=None, replica=False):
+                 wsp=None, store=None, progress=None, replica=False, failover=False):
         self.rank = rank
         # called now and then inside work that takes seconds (a table made from its rule), so
         # that the server heartbeats meanwhile (roles/server.py); None: nobody to tell
@@ -126,6 +126,11 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
             self.policy = Bsp(num_workers)
         # MXPS_REPLICA: every slice's optimizer state also on the buddy server (replica.py)
         self._init_replicas(replica)
+        # MXPS_FAILOVER: the slices cut for the last plan, kept until the next one
+        # ((key, offset) -> migration part), so that a move a lost server interrupts is
+        # rolled back (migration._abandon)
+        self.failover = failover or replica
+        self.stash = {}
         # MXPS_STORE=disk: StoreSettings, or None (every slice in RAM)
         self.store = store
         self._resumed = None       # MXPS_STORE_RESUME: the round the store was flushed at
@@ -192,8 +197,8 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
                        "only PLAN is the server state's", self.rank, h)
             return []
         try:
-            version, old, new, seeds, lost = read_plan(payload, self.num_servers,
-                                                       self.plan_version)
+            version, old, new, seeds, lost, extra = read_plan(payload, self.num_servers,
+                                                              self.plan_version)
         except PlanError as e:
             version = e.version
             if version is None:
@@ -205,7 +210,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
         if self._trace is not None:
             self._plan_row("plan_received", version)
         try:
-            self._on_plan(version, old, new, seeds, lost)
+            self._on_plan(version, old, new, seeds, lost, **extra)
         except Exception as e:
             self._plan_failed(version, e)
         out = self._flush()

@@ -19,7 +19,8 @@ Workers do what FAULT_MODE says and report into FAULT_OUT:
                         matrix's save_states phase).
                         FAULT_ON_SERVERS=1: the optimizer runs on the servers without saving
                         (MXPS_FAILOVER's jobs); FAULT_MOMENTUM: SGD's momentum (default 0);
-                        FAULT_OPTIMIZER=adam: Adam (learning rate 0.01) instead of SGD.
+                        FAULT_OPTIMIZER=adam: Adam (learning rate 0.01) instead of SGD;
+                        FAULT_COMPRESSION=2bit: 2-bit gradient compression (threshold 0.5).
   FAULT_MODE=badinput   tries bad requests on ``mx.kv.create('mxps')`` (unknown key, pull
                         before init, wrong shape / dtype, unsupported dtype), records each
                         exception in ``badinput_rank{R}.json``, then checks that the servers
@@ -91,6 +92,9 @@ def _train(kv, steps, on_step=None, step_sleep=0.0, save_after=None):
     name = os.environ.get("FAULT_OPTIMIZER", "sgd") or "sgd"
     if name == "adam":
         opt = {"learning_rate": 0.01}
+    if os.environ.get("FAULT_COMPRESSION"):
+        kwargs["compression_params"] = {"type": os.environ["FAULT_COMPRESSION"],
+                                        "threshold": 0.5}
     trainer = gluon.Trainer(net.collect_params(), name, opt, kvstore=kv, **kwargs)
     states = os.path.join(OUT, "states_rank%d" % kv.rank)
     rng = np.random.RandomState(100 + kv.rank)
