@@ -9,14 +9,18 @@ silent is left behind instead of ending the job.
 2. ``_on_failover_tables``: the first worker's FAILOVER answer carries the old and new
    tables; the survivors get them as a PLAN naming the lost servers (``roles.migration``).
    A successor builds each lost slice from the workers' seeds (the latest round any worker
-   pulled) with fresh optimizer state, and acknowledges the plan; the acknowledgements say
+   pulled) with its buddy's replica of the optimizer state (MXPS_REPLICA) or fresh state,
+   and acknowledges the plan; the acknowledgements say
    which slices' optimizer state was reset.
 3. The failover is in place once every survivor acknowledged: the job facts' ``failovers``.
 
-Limits, each refused or ended with a message naming it: a server lost while a re-plan moves
-state, or while the start-up is not complete, ends the job as before; re-planning stops after
-a failover (the planner places on every server of the job).  The scheduler's own death ends
-the job: every node gives up after MXPS_HEARTBEAT_TIMEOUT of its silence.
+A server lost while a re-plan moves state at a full point rolls the move back first
+(``_fail_over_move``); one lost during start-up leaves a job of the servers that came
+(``_start_without``, ``_start_short``).  Limits, each ending the job with a message naming it:
+a second server lost before the first failover is in place, a server lost during an
+overlapped move; re-planning stops after a failover (the planner places on every server of the
+job).  The scheduler's own death ends the job: every node gives up after
+MXPS_HEARTBEAT_TIMEOUT of its silence.
 """
 import dataclasses
 import json
