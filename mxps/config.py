@@ -58,8 +58,9 @@ class Config:
     # MXPS_FAILOVER (docs/FAILOVER.md): a lost server's slices go to the survivors and the job
     # goes on; off: the job ends with exit code 3 naming the lost server
     failover: bool = False
-    # MXPS_REPLICA: every slice's optimizer state also on a buddy server, current each round
-    replica: bool = False
+    # MXPS_REPLICA: every slice's optimizer state also on a buddy server: 1 every round (pulls
+    # wait for it), K > 1 every K rounds (lazy: pulls do not wait), 0 none
+    replica: int = 0
     replan_one_round: bool = True
     replan_window: int = 3
     trace: str = ""
@@ -420,7 +421,7 @@ def from_env(env=None, mode=None):
         replan_overlap=_bool(env, "MXPS_REPLAN_OVERLAP", False),
         replan_seed=_bool(env, "MXPS_REPLAN_SEED", False),
         failover=_bool(env, "MXPS_FAILOVER", False),
-        replica=_bool(env, "MXPS_REPLICA", False),
+        replica=_int(env, "MXPS_REPLICA", 0, minimum=0),
         replan_one_round=_bool(env, "MXPS_REPLAN_ONE_ROUND", True),
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),

@@ -898,6 +898,35 @@ def test_a_server_lost_during_a_move_rolls_the_move_back_and_ends_as_if_no_loss(
     np.testing.assert_allclose(got, alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
 
 
+def test_a_lazy_replica_is_sent_every_k_rounds_without_holding_pulls_and_is_used_stale():
+    # MXPS_REPLICA=2: server 2 replicates key 5's momentum after rounds 2 only (of 1..3), and
+    # answers every pull at once; lost after round 3, its slice is rebuilt on server 0 with the
+    # momentum of round 2, one round old, and the job facts are told so
+    s2 = new_server(rank=2, optimizer=sgd(0.9), keys={5: VALUE}, num_servers=3, replica=2)
+    s0 = new_server(rank=0, optimizer=sgd(0.9), num_servers=3, replica=2)
+    sent_at = []
+    for it in (1, 2, 3):
+        for w in (0, 1):
+            outs = send(s2, MsgType.PUSH, 5, w=w, it=it, value=GRADS[it - 1][w])
+        for rep in [o for o in outs if o.to == Out.PEER]:
+            sent_at.append(rep.header.iteration)
+            s0.on_request(b"peer2", rep.header, rep.payload)
+        value_of(only(send(s2, MsgType.PULL, 5, w=0, it=it, length=8), MsgType.DATA))
+    assert sent_at == [2] and sorted(s0.replicas[(5, 0, 8)]) == [2]
+    weights = s2.slots[(5, 0)].store.snapshot.copy()
+    old, new = {5: (Slice(2, 0, 8),)}, {5: (Slice(0, 0, 8),)}
+    body = json.dumps({"version": 1, "old": table_to_json(old), "new": table_to_json(new),
+                       "lost": [2]}).encode()
+    s0.on_scheduler(Header(MsgType.PLAN), body)
+    for w in (0, 1):
+        h, v = request(MsgType.SEED, 5, w=w, it=3, value=weights, version=1)
+        outs = s0.on_request(worker(w), h, v)
+    (report,) = [json.loads(o.payload) for o in outs if o.to == Out.SCHEDULER]
+    assert report == {"version": 1, "moved_bytes": 0, "reset": [], "stale": [[5, 0, 8, 1]]}
+    assert s0.slots[(5, 0)].applied == 3 and counts(s0)[5] == 3
+    np.testing.assert_array_equal(s0.slots[(5, 0)].store.snapshot, weights)
+
+
 def test_a_lost_slice_no_worker_pulled_fails_the_plan_naming_it():
     s1 = new_server(rank=1, optimizer=sgd())
     failover_plan(s1)

@@ -44,6 +44,7 @@ class _Migration:
         self.version = version
         self.lost = frozenset(lost)   # MXPS_FAILOVER: servers this plan leaves behind
         self.reset = []           # ... lost slices whose optimizer state starts afresh
+        self.stale = []           # ... or is a lazy replica's, [key, offset, length, rounds]
         # MXPS_REPLAN_SEED: (key, offset, length) -> the worker that sends those weights
         self.seeds = seeds or {}
         self.seeded = {}          # (key, offset) -> (weights a worker sent, worker)
@@ -592,7 +593,9 @@ class Migrating:
             if kept[0] is not None:
                 part["state"] = kept[0]
             if kept[1] is not None:
-                part["count"] = kept[1]
+                part["count"] = kept[1] + kept[2]
+            if kept[2]:
+                mig.stale.append([h.key, n.offset, n.length, kept[2]])
         elif self.updater is not None and self._stateful(value):
             mig.reset.append([h.key, n.offset, n.length])
         log.warning("server %d: plan %d: key %d [%d, +%d) of a lost server rebuilt from "
@@ -678,6 +681,8 @@ class Migrating:
         ack = {"version": mig.version, "moved_bytes": mig.moved}
         if mig.lost:
             ack["reset"] = mig.reset
+            if mig.stale:
+                ack["stale"] = mig.stale
         self._to_scheduler(ack)
         log.info("server %d: plan %d in place (%d bytes sent)", self.rank, mig.version,
                  mig.moved)

@@ -12,6 +12,11 @@ both, and the job goes on with the weights of an uninterrupted run.
 The buddy keeps the last two rounds of each slice (a round may be applied and replicated before
 any worker pulled it).  After a failover that lost a server's buddy, every slice is replicated
 to the new buddy at once.  ``Replicas`` is the part of ``ServerState`` that does this.
+
+MXPS_REPLICA=K > 1 is the lazy replica: every K-th round, and pulls do not wait for it.  It
+costs a K-th of the bytes and nothing on a step's path; a failover then restores a lost
+slice's state as of the newest replicated round, up to K rounds before the weights the workers
+hold (the job facts list those slices and how many rounds old their state is).
 """
 import logging
 
@@ -59,14 +64,14 @@ class Replicas:
 
     KEEP = 2      # rounds of a slice's state a buddy keeps
 
-    def _init_replicas(self, on):
-        self.replica = on
+    def _init_replicas(self, every):
+        self.replica = int(every)      # 0: none; 1: every round, current; K: every K rounds
         self.replicas = {}         # (key, offset, length) -> {round: (state, count)}
         self.lost_servers = set()
         self._replica_out = {}     # request id -> (key, offset, round)
         self._replica_ids = 0
         self.replica_bytes = 0     # state bytes sent to the buddy
-        if on:
+        if self.replica == 1:
             self.policy = Replicated(self.policy)
 
     def buddy(self):
@@ -80,7 +85,7 @@ class Replicas:
 
     def _after_round(self, slot):
         """Slot ``slot`` applied a round: its state to the buddy."""
-        if self.replica:
+        if self.replica and slot.applied % self.replica == 0:
             self._replicate(slot)
 
     def _replicate(self, slot):
@@ -131,8 +136,15 @@ class Replicas:
         return True
 
     def replica_of(self, key, offset, length, round_):
-        """(state, update count) the buddy keeps of a slice after ``round_``, or None."""
-        return self.replicas.get((key, offset, length), {}).get(round_)
+        """(state, update count, rounds it is behind ``round_``) the buddy keeps of a slice:
+        after ``round_`` itself, or (a lazy replica) the newest round before it; or None."""
+        kept = self.replicas.get((key, offset, length), {})
+        if round_ in kept:
+            return kept[round_] + (0,)
+        older = [r for r in kept if r < round_]
+        if self.replica > 1 and older:
+            return kept[max(older)] + (round_ - max(older),)
+        return None
 
     def _prune_replicas(self, old, new):
         """A plan from ``old`` to ``new``: keep the replicas of the slices of either table (a

@@ -781,6 +781,11 @@ class SchedulerState(Failover):
             if not isinstance(reset, list):
                 raise MalformedBody("PLAN of version %d: reset is not a list" % p["version"])
             p["failover"]["state_reset"].extend(reset)
+            stale = body.get("stale") or []
+            if not isinstance(stale, list):
+                raise MalformedBody("PLAN of version %d: stale is not a list" % p["version"])
+            if stale:
+                p["failover"].setdefault("state_stale", []).extend(stale)
         if len(p["acks"]) < len(self._servers()):
             return
         self.pending_plan = None
