@@ -38,8 +38,9 @@ _PUSHES = frozenset((MsgType.PUSH, MsgType.PUSHPULL))
 _DATA = frozenset((MsgType.PUSH, MsgType.PULL, MsgType.PUSHPULL))
 
 
-class _SeedReply:
-    """A successor's answer to a SEED: an ERROR ends the job (the slice cannot be built)."""
+class _MustSucceed:
+    """A successor's answer to a SEED or to an acknowledged push sent again: an ERROR ends the
+    job (the slice cannot be built, or a round would miss the push)."""
 
     __slots__ = ("client", "what")
 
@@ -155,7 +156,7 @@ class Rerouting:
                 payload = fill.dview[offset:offset + length].copy()
             h.request_id = next(self._ids)
             h.sender = self.rank
-            self._send(to, h, payload, _SeedReply(self, what), 0)
+            self._send(to, h, payload, _MustSucceed(self, what), 0)
         # 2. the requests the lost server left unanswered, and the pushes it acknowledged
         #    of rounds this worker has not pulled from it
         again = 0
@@ -187,7 +188,7 @@ class Rerouting:
                 to = self._successor(moved, h)
                 h.flags |= wire.RESENT
                 h.request_id = next(self._ids)
-                self._send(to, h, payload, _SeedReply(self, "push of key %d sent again to "
+                self._send(to, h, payload, _MustSucceed(self, "push of key %d sent again to "
                                                       "server %d" % (key, to)), 0)
                 again += 1
         # 3. pushes still queued for it join their successors' queues
