@@ -8,6 +8,7 @@ code does not read ``os.environ`` anywhere else.  Every setting is documented in
 import contextlib
 import dataclasses
 import os
+import re
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,12 @@ class Config:
     # MXPS_REPLICA: every slice's optimizer state also on a buddy server: 1 every round (pulls
     # wait for it), K > 1 every K rounds (lazy: pulls do not wait), 0 none
     replica: int = 0
+    # MXPS_DIVERT (docs/REPLAN.md): a server whose acknowledgements slow down inside a round
+    # loses its slices to the others in that round (weights from the workers, only its
+    # optimizer state crosses its link); MXPS_DIVERT_FORCE=R:S (tests): worker 0 reports
+    # server S slow at its first push of round R
+    divert: bool = False
+    divert_force: tuple = ()
     replan_one_round: bool = True
     replan_window: int = 3
     trace: str = ""
@@ -308,6 +315,17 @@ def _secret(env):
     return secret
 
 
+def _divert_force(env):
+    raw = _get(env, "MXPS_DIVERT_FORCE", "")
+    if not raw:
+        return ()
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", raw)
+    if m is None or int(m.group(1)) < 1:
+        raise ConfigError("MXPS_DIVERT_FORCE=%r: expected ROUND:SERVER (round >= 1), e.g. 3:1"
+                          % raw)
+    return (int(m.group(1)), int(m.group(2)))
+
+
 def _fault(env):
     """The test-only fault switches (MXPS_FAULT_POINT, MXPS_FAULT_HOLD, MXPS_FAULT_DIR)."""
     point = (_get(env, "MXPS_FAULT_POINT", "")).lower()
@@ -422,6 +440,8 @@ def from_env(env=None, mode=None):
         replan_seed=_bool(env, "MXPS_REPLAN_SEED", False),
         failover=_bool(env, "MXPS_FAILOVER", False),
         replica=_int(env, "MXPS_REPLICA", 0, minimum=0),
+        divert=_bool(env, "MXPS_DIVERT", False),
+        divert_force=_divert_force(env),
         replan_one_round=_bool(env, "MXPS_REPLAN_ONE_ROUND", True),
         replan_window=_int(env, "MXPS_REPLAN_WINDOW", 3, minimum=1),
         trace=_get(env, "MXPS_TRACE", ""),
@@ -451,6 +471,13 @@ def from_env(env=None, mode=None):
     if cfg.failover and cfg.push == "ltp":
         raise ConfigError("MXPS_FAILOVER=1 and MXPS_PUSH=ltp do not go together yet: an LTP "
                           "push to a lost server cannot be sent again (use MXPS_PUSH=tcp)")
+    if cfg.divert_force and not cfg.divert:
+        raise ConfigError("MXPS_DIVERT_FORCE needs MXPS_DIVERT=1")
+    if cfg.divert and (cfg.mode != "sync" or cfg.push == "ltp" or cfg.replica
+                       or not cfg.replanning):
+        raise ConfigError("MXPS_DIVERT=1 re-routes a slow server's round inside the round: it "
+                          "needs MXPS_PLAN=adaptive with re-planning, MXPS_MODE=sync, "
+                          "MXPS_PUSH=tcp and no MXPS_REPLICA")
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError("MXPS_HEARTBEAT_TIMEOUT=%s must exceed twice MXPS_HEARTBEAT_INTERVAL=%s"
                           % (cfg.heartbeat_timeout, cfg.heartbeat_interval))

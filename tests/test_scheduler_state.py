@@ -638,7 +638,7 @@ def test_the_facts_name_every_node_by_rank_after_the_rendezvous_and_the_points_a
                     {"rank": 1, "host": "127.0.0.3", "port": 5, "pid": 31}],
         "workers": [{"rank": 0, "host": "127.0.0.1", "port": 0, "pid": 22},
                     {"rank": 1, "host": "127.0.0.2", "port": 0, "pid": 21}],
-        "replan_points": [], "failovers": [], "resume_round": None, "exit": None}
+        "replan_points": [], "failovers": [], "diverts": [], "resume_round": None, "exit": None}
     assert job.send(b"w0", MsgType.BARRIER).facts is None, "facts are written twice, not often"
     # w1 is rank 0 (it sends the placement); the first point keeps the plan, the second is
     # forced (force=2) 3 s later

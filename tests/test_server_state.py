@@ -1376,3 +1376,104 @@ for _case in (TestAnyInterleavingWithALostServerGivesTheReferenceWeights,TestAny
               TestAnyInterleavingWithReplansMovesOptimizerStateAndCounts,
               TestAnyInterleavingWithReplansMovesDiskTablesWithTheirState):
     _case.settings = FAST
+
+
+# --- divert: a slow server's slices leave it inside the round (MXPS_DIVERT) -----------------
+
+SLOW_OLD = {5: (Slice(1, 0, 8),)}     # server 1 holds key 5 and turns slow ...
+SLOW_NEW = {5: (Slice(0, 0, 8),)}     # ... its slice goes whole to server 0, mid-round
+
+
+def divert_plan(s):
+    body = json.dumps({"version": 1, "old": table_to_json(SLOW_OLD),
+                       "new": table_to_json(SLOW_NEW), "lost": [], "diverted": [1]}).encode()
+    return s.on_scheduler(Header(MsgType.PLAN), body)
+
+
+def divert_seed(s, w, it, value):
+    h, v = request(MsgType.SEED, 5, w=w, it=it, value=value, version=1)
+    return s.on_request(worker(w), h, v)
+
+
+def reports(outs):
+    return [json.loads(o.payload) for o in outs if o.to == Out.SCHEDULER]
+
+
+@pytest.mark.parametrize("pulled", [2, 1], ids=["workers-pulled-it", "replies-still-on-the-link"])
+def test_a_diverted_slice_takes_weights_from_the_workers_and_state_from_the_slow_server(pulled):
+    # Server 1 applied round 2 and holds worker 0's round-3 push when it is diverted.  It sends
+    # server 0 the slice's momentum and count with a checksum of its weights (no weights),
+    # drops its partial round, and drops old-plan requests for the slice without an answer.
+    # If the workers pulled round 2 (``pulled`` 2), server 0 takes their weights; if no worker
+    # has round 2 yet (its replies still on the slow link), server 0 asks server 1 for them
+    # (VALUE), drops the round-2 pushes sent again and answers the round-2 pulls.  Round 3 ends
+    # as on one server that was never diverted: momentum and all.
+    opt = sgd(0.9)
+    alone = new_server(optimizer=opt, keys={5: VALUE})
+    push_rounds([(alone, OLD[5][0])], GRADS[:1])
+    round1 = alone.slots[(5, 0)].store.snapshot.copy()
+    push_rounds([(alone, OLD[5][0])], GRADS[1:2], first=2)
+    round2 = alone.slots[(5, 0)].store.snapshot.copy()
+    push_rounds([(alone, OLD[5][0])], GRADS[2:], first=3)
+    s1 = new_server(rank=1, optimizer=opt, keys={5: VALUE}, num_servers=2, failover=True)
+    push_rounds([(s1, SLOW_OLD[5][0])], GRADS[:2])
+    only(send(s1, MsgType.PUSH, 5, w=0, it=3, value=GRADS[2][0]), MsgType.ACK)
+    s0 = new_server(rank=0, optimizer=opt, num_servers=2, failover=True)
+    assert divert_plan(s0) == []
+    outs = divert_plan(s1)
+    part = only(outs, MsgType.MIGRATE)
+    assert part.to == Out.PEER and part.dest == 0 and (5, 0) not in s1.slots
+    assert part.payload and len(bytes(memoryview(part.payload).cast("B"))) < 2 * 8 * 4 + 400
+    # an old-plan request for the slice at the slow server: dropped, no answer
+    assert send(s1, MsgType.PULL, 5, w=1, it=2, length=8, version=0) == []
+    assert s1.diverted_dropped == 1
+    ack = only(s0.on_request(b"peer1", part.header, part.payload), MsgType.ACK)
+    assert reports(s1.on_peer_reply(0, ack.header)) == [
+        {"version": 1, "moved_bytes": s1.migration.moved, "reset": []}]
+    # the workers' seeds, their resent requests (waiting for the slice)
+    seed = round2 if pulled == 2 else round1
+    only(divert_seed(s0, 0, pulled, seed), MsgType.ACK)
+    if pulled == 1:
+        for w in (0, 1):
+            only(resent_whole(s0, w, 2, GRADS[1][w]), MsgType.ACK)
+        assert send(s0, MsgType.PULL, 5, w=1, it=2, length=8, version=1) == []
+    outs = divert_seed(s0, 1, pulled, seed)
+    if pulled == 1:
+        value = only(outs, MsgType.VALUE)
+        assert value.to == Out.PEER and value.dest == 1
+        outs = s1.on_request(b"peer0", value.header, value.payload)
+        whole = only(outs, MsgType.MIGRATE)
+        ack = only(outs, MsgType.ACK)
+        outs = s0.on_request(b"peer1", whole.header, whole.payload)
+        np.testing.assert_array_equal(value_of(only(outs, MsgType.DATA)), round2)
+        assert s0.resent_dropped == 2
+        outs = s0.on_peer_reply(1, ack.header)
+    assert reports(outs) == [{"version": 1, "moved_bytes": 0, "reset": []}]
+    slot = s0.slots[(5, 0)]
+    assert slot.applied == 2
+    np.testing.assert_array_equal(slot.store.snapshot, round2)
+    # round 3: worker 0's push acknowledged by the slow server comes again, worker 1's anew
+    only(resent_whole(s0, 0, 3, GRADS[2][0]), MsgType.ACK)
+    only(send(s0, MsgType.PUSH, 5, w=1, it=3, value=GRADS[2][1], version=1), MsgType.ACK)
+    got = value_of(only(send(s0, MsgType.PULL, 5, it=3, length=8, version=1)))
+    np.testing.assert_allclose(got, alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
+
+
+def resent_whole(s, w, it, g):
+    h, v = request(MsgType.PUSH, 5, w=w, it=it, value=g, version=1)
+    h.flags |= 0x40
+    return s.on_request(worker(w), h, v)
+
+
+def test_a_worker_seed_that_differs_from_the_slow_servers_weights_fails_the_divert():
+    opt = sgd(0.9)
+    s1 = new_server(rank=1, optimizer=opt, keys={5: VALUE}, num_servers=2, failover=True)
+    push_rounds([(s1, SLOW_OLD[5][0])], GRADS[:1])
+    s0 = new_server(rank=0, optimizer=opt, num_servers=2, failover=True)
+    divert_plan(s0)
+    part = only(divert_plan(s1), MsgType.MIGRATE)
+    s0.on_request(b"peer1", part.header, part.payload)
+    only(divert_seed(s0, 0, 1, VALUE + 1), MsgType.ACK)
+    outs = divert_seed(s0, 1, 1, VALUE + 1)
+    (report,) = reports(outs)
+    assert "checksum" in report["error"] and "key 5" in report["error"], report

@@ -295,7 +295,7 @@ class MXPS(KVStoreBase):
                      " ".join("%.1f" % (r / 1e6) for r in self.server_rates))
         self._plan = Plan(self._client.num_servers, bigarray_bound=self._cfg.bigarray_bound,
                           rule=rule)
-        if self._cfg.failover:         # MXPS_FAILOVER (docs/FAILOVER.md, roles.reroute)
+        if self._cfg.failover or self._cfg.divert:   # docs/FAILOVER.md, roles.reroute
             self._client.on_failover = self._failover
             self._client.route = self._route
         path = self._cfg.metrics
@@ -638,23 +638,28 @@ class MXPS(KVStoreBase):
     def _check_failover(self, k):
         """MXPS_FAILOVER rebuilds a lost slice from the weights the workers pulled: a push
         with the update on the workers (the servers hold each round's sum) is refused."""
-        if self._cfg.failover and self._optimizer is None:
-            raise ValueError("mxps: push of key %r: MXPS_FAILOVER=1 needs the optimizer on "
+        if (self._cfg.failover or self._cfg.divert) and self._optimizer is None:
+            raise ValueError("mxps: push of key %r: %s=1 needs the optimizer on "
                              "the servers (update_on_kvstore=True, or set_optimizer before "
-                             "pushing): with the update on the workers a lost server's round "
-                             "sums cannot be rebuilt" % (k.name,))
+                             "pushing): with the update on the workers a moved server's round "
+                             "sums cannot be rebuilt" % (k.name, "MXPS_FAILOVER"
+                                                         if self._cfg.failover else
+                                                         "MXPS_DIVERT"))
 
-    def _failover(self, version, dead):
-        """Server ``dead`` is lost (the I/O thread, at the scheduler's FAILOVER): the plan of
-        ``version`` puts its slices on the survivors (``Plan.without``).  Returns (the old
-        table, the new one, {(key, offset): (successor, length)})."""
+    def _failover(self, version, dead, divert=False):
+        """Server ``dead`` is lost (the I/O thread, at the scheduler's FAILOVER), or slow
+        (``divert``, MXPS_DIVERT): the plan of ``version`` puts its slices on the others
+        (``Plan.without``).  Returns (the old table, the new one, {(key, offset): (successor,
+        length)})."""
         if self._optimizer is None:
             self._client.link.fail(
-                "server %d was lost and its keys cannot be rebuilt: MXPS_FAILOVER needs the "
-                "optimizer on the servers (update_on_kvstore / set_optimizer); with the "
-                "update on the workers the servers hold only each round's sum" % dead)
+                "server %d was %s and its keys cannot be rebuilt: MXPS_FAILOVER and "
+                "MXPS_DIVERT need the optimizer on the servers (update_on_kvstore / "
+                "set_optimizer); with the update on the workers the servers hold only each "
+                "round's sum" % (dead, "slow" if divert else "lost"))
         old = self._plan.table()
-        self._plan, moved = self._plan.without(version, [dead], buddies=self._cfg.replica)
+        self._plan, moved = self._plan.without(version, [dead], buddies=self._cfg.replica,
+                                               alive=divert)
         for k in list(self._keys.values()):
             k.slices = self._plan.slices(k.id, k.size)
         if self._trace_plans is not None:

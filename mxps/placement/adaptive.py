@@ -239,6 +239,16 @@ class Replanner:
         if planned > 0:
             self.copies = sent / float(planned)
 
+    def diverted(self, server, ratio):
+        """Server ``server``'s link slowed to ``ratio`` of its rate inside a round, and its
+        slices left it (MXPS_DIVERT): plan with that rate from now on (it holds nothing to be
+        timed by until the next plan gives it a share)."""
+        if not self.rates:
+            return
+        self.rates[server] = self.rates[server] * max(ratio, 0.01)
+        self.window.clear()
+        self.window.append(list(self.rates))
+
     def observe(self, reports):
         per_round = {}
         for rep in reports:

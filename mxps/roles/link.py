@@ -121,11 +121,14 @@ def parse_replan(payload):
 
 
 def parse_failover(payload):
-    """The scheduler's FAILOVER (MXPS_FAILOVER): {version, dead}, checked."""
+    """The scheduler's FAILOVER (MXPS_FAILOVER): {version, dead}, checked; "divert": true
+    (MXPS_DIVERT) names a live, slow server."""
     body = _body(payload, "FAILOVER")
     for name in ("version", "dead"):
         if _field(body, name, int, "FAILOVER") < 0:
             raise wire.WireError("FAILOVER: %s %r" % (name, body[name]))
+    if not isinstance(body.get("divert", False), bool):
+        raise wire.WireError("FAILOVER: divert %r is not a boolean" % (body["divert"],))
     return body
 
 

@@ -26,7 +26,7 @@ log = logging.getLogger("mxps.server")
 class _Incoming:
     """A new slice this server is assembling: the parts so far, how many remote ones to come."""
 
-    __slots__ = ("slice", "expect", "parts", "lost")
+    __slots__ = ("slice", "expect", "parts", "lost", "source", "asked")
 
     def __init__(self, slice_, expect):
         self.slice = slice_
@@ -35,14 +35,19 @@ class _Incoming:
         # MXPS_FAILOVER: a slice of a lost server; every worker's seed, worker -> (the round
         # its last pull of the slice got, its weights or None, dtype code)
         self.lost = None
+        # MXPS_DIVERT: the slow server the slice comes from (its optimizer state comes in a
+        # part without weights), and whether its weights were asked of it (``VALUE``)
+        self.source = None
+        self.asked = False
 
 
 class _Migration:
     """One re-plan on this server: parts sent and not yet acknowledged, slices being built."""
 
-    def __init__(self, version, seeds=None, lost=()):
+    def __init__(self, version, seeds=None, lost=(), diverted=()):
         self.version = version
         self.lost = frozenset(lost)   # MXPS_FAILOVER: servers this plan leaves behind
+        self.diverted = frozenset(diverted)   # MXPS_DIVERT: ... slow ones, alive
         self.reset = []           # ... lost slices whose optimizer state starts afresh
         self.stale = []           # ... or is a lazy replica's, [key, offset, length, rounds]
         # MXPS_REPLAN_SEED: (key, offset, length) -> the worker that sends those weights
@@ -66,8 +71,9 @@ def read_part(h, payload):
     against its header before the server uses any of it."""
     what = "MIGRATE part of key %d" % h.key
     part = fields(typed.unpack(payload), what, _PART_NEEDS,
-                  ("value", "state", "count", "cols", "seeded", "crc"))
-    for f in ("key", "target", "offset", "length", "applied", "count", "cols", "seeded", "crc"):
+                  ("value", "state", "count", "cols", "seeded", "crc", "diverted"))
+    for f in ("key", "target", "offset", "length", "applied", "count", "cols", "seeded", "crc",
+              "diverted"):
         if f in part:
             count_field(part[f], "%s: %s" % (what, f))
     if (part["key"], part["offset"], part["length"]) != (h.key, h.offset, h.length):
@@ -80,7 +86,7 @@ def read_part(h, payload):
     dt = wire.dtype_of(count_field(part["dtype"], "%s: dtype" % what))
     value = part.get("value")
     if value is None:
-        if "seeded" not in part or "crc" not in part:
+        if "crc" not in part or "seeded" not in part and "diverted" not in part:
             raise RequestError("%s: no value, and no worker seeds it" % what)
     elif not (isinstance(value, np.ndarray) and value.dtype == dt and value.ndim == 1
               and value.size == part["length"]):
@@ -170,8 +176,17 @@ def read_plan(payload, num_servers, current):
                                 or not lost):
         raise PlanError("plan %d: abandon is the version of the plan a failover rolls back"
                         % version, version)
+    diverted = body.get("diverted") or []
+    if not isinstance(diverted, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < num_servers
+            for x in diverted) or (diverted and abandon is not None):
+        raise PlanError("plan %d: diverted is not a list of server ranks" % version, version)
+    for key, slices in new.items():
+        if any(x.server in diverted for x in slices):
+            raise PlanError("plan %d: key %d placed on a diverted server" % (version, key),
+                            version)
     return version, old, new, {(k, o, n): w for k, o, n, w in seeds}, lost, \
-        {"abandon": abandon}
+        {"abandon": abandon, "diverted": diverted}
 
 
 class Migrating:
@@ -294,7 +309,7 @@ class Migrating:
                 self._error(client, h, str(e))
         self._answer_waiting(slot)
 
-    def _on_plan(self, version, old, new, seeds=None, lost=(), abandon=None):
+    def _on_plan(self, version, old, new, seeds=None, lost=(), abandon=None, diverted=()):
         """The scheduler's new plan.  Every worker has stopped with nothing in flight, so every
         round is complete: send each new owner its part of this server's old slices (value,
         optimizer state, update count), keep the part that stays, and build each new slice once
@@ -302,15 +317,20 @@ class Migrating:
         servers) moves only the lost servers' slices, each whole to one successor, while the
         workers go on: requests of the plan before it stay valid for the slices it leaves.
         A failover during a move (``abandon``: that plan's version) first rolls that move
-        back (``_abandon``); ``old`` is then the table before it."""
+        back (``_abandon``); ``old`` is then the table before it.  A divert (``diverted``,
+        MXPS_DIVERT) moves a slow server's slices as a failover moves a lost one's, but the
+        slow server sends each successor the slice's optimizer state (``_divert_part``)."""
+        gone = set(lost) | set(diverted)
         if abandon is not None:
             self._abandon(abandon)
         elif not lost:
             self.stash = {}            # the slices cut for the last plan: that one is in place
-            self._prune_replicas(old, new)
-        mig = self.migration = _Migration(version, seeds, lost)
+            if not diverted:
+                self._prune_replicas(old, new)
+        self.diverted_away = set()     # MXPS_DIVERT: slices this server gave up mid-round
+        mig = self.migration = _Migration(version, seeds, gone, diverted)
         self.plan_version = version
-        if not lost:
+        if not gone:
             self.plan_floor = version
         self._unfast()
         parts = []                         # (destination server, part)
@@ -329,6 +349,12 @@ class Migrating:
                 if slot is None or slot.length != o.length:
                     raise RequestError("plan %d: server %d does not hold key %d as %s"
                                        % (version, self.rank, key, o))
+                if self.rank in mig.diverted:
+                    # its round in progress goes on at the successor: every push it had is
+                    # sent there again and every pull it owed is asked there again
+                    self.diverted_away.add((key, o.offset))
+                    slot.rounds.clear()
+                    slot.waiting = []
                 if slot.rounds or slot.waiting:
                     raise RequestError(
                         "plan %d: key %d has rounds %s partly pushed on server %d; workers "
@@ -336,7 +362,10 @@ class Migrating:
                 for x in slices:
                     lo, hi = max(x.offset, o.offset), min(x.stop, o.stop)
                     if hi > lo or empty:
-                        parts.append((x.server, self._cut(slot, lo, hi, x.offset)))
+                        part = self._cut(slot, lo, hi, x.offset)
+                        if self.rank in mig.diverted:
+                            part = self._divert_part(part)
+                        parts.append((x.server, part))
                 if self.failover:
                     # MXPS_FAILOVER: kept until the next plan, in case this one is rolled back
                     self.stash[(key, o.offset)] = self._cut(slot, o.offset, o.stop, o.offset)
@@ -345,13 +374,15 @@ class Migrating:
                 if n.server == self.rank and n not in stay:
                     over = [x for x in before if x.server != self.rank and
                             (min(x.stop, n.stop) > max(x.offset, n.offset) or empty)]
-                    inc = _Incoming(n, sum(1 for x in over if x.server not in mig.lost))
+                    inc = _Incoming(n, sum(1 for x in over if x.server not in lost))
                     if any(x.server in mig.lost for x in over):
                         if len(over) != 1 or (over[0].offset, over[0].length) != (n.offset,
                                                                                   n.length):
                             raise RequestError("plan %d: key %d's slice at %d does not take "
                                                "a lost slice whole" % (version, key, n.offset))
                         inc.lost = {}
+                        if over[0].server in mig.diverted:
+                            inc.source = over[0].server
                     mig.incoming[(key, n.offset)] = inc
         for dest, part in parts:           # what stays here first, then what arrived early
             if dest == self.rank:
@@ -484,6 +515,9 @@ class Migrating:
         if inc is None:
             raise RequestError("plan %d: server %d got a part of key %d for a slice at %d it "
                                "does not hold" % (mig.version, self.rank, *target))
+        if inc.source is not None:
+            self._diverted_part(mig, inc, part)
+            return
         inc.parts.append(part)
         if "value" not in part:
             got = mig.seeded.pop((part["key"], part["offset"]), None)
@@ -578,6 +612,9 @@ class Migrating:
         inc.lost[h.sender] = (h.iteration, value, h.dtype)
         if len(inc.lost) < self.num_workers:
             return
+        if inc.source is not None:
+            self._resolve_divert(mig, inc)
+            return
         held = [(r, w) for w, (r, v, _) in inc.lost.items() if v is not None]
         if not held:
             raise RequestError("plan %d: no worker holds key %d [%d, +%d) of the lost server: "
@@ -604,6 +641,90 @@ class Migrating:
                     if mig.reset and mig.reset[-1][:2] == [h.key, n.offset] else "")
         self._maybe_install(mig, (h.key, n.offset))
         self._maybe_done(mig)
+
+    # -- MXPS_DIVERT: the slow server sends state, the workers the weights ----------------------
+    def _divert_part(self, part):
+        """On the slow server: a whole slice it gives up, as the part it sends its successor
+        (the optimizer state, update count and round, with a checksum of the weights, which the
+        workers send), and its copy kept for a ``VALUE`` (``stash``)."""
+        self.stash[(part["key"], part["offset"])] = dict(part)
+        value = part.pop("value")
+        part["crc"] = zlib.crc32(memoryview(np.ascontiguousarray(value)).cast("B"))
+        part["diverted"] = self.rank
+        return part
+
+    def _diverted_part(self, mig, inc, part):
+        """On a successor: the slow server's part of a diverted slice: its state, or (the
+        answer to a ``VALUE``) the whole slice."""
+        if "value" in part:
+            if not inc.asked:
+                raise RequestError("plan %d: server %d sent key %d's slice at %d whole, "
+                                   "unasked" % (mig.version, inc.source, part["key"],
+                                                part["offset"]))
+            inc.parts = [part]
+            self._maybe_install(mig, (part["key"], part["target"]))
+            self._maybe_done(mig)
+            return
+        if inc.parts:
+            raise RequestError("plan %d: key %d's slice at %d came twice from server %d"
+                               % (mig.version, part["key"], part["offset"], inc.source))
+        inc.parts.append(part)
+        inc.expect -= 1
+        self._resolve_divert(mig, inc)
+
+    def _resolve_divert(self, mig, inc):
+        """With the slow server's state and every worker's seed in: the weights are the
+        seeds' if the latest round a worker pulled is the one the state is of; if no worker
+        has pulled that round yet (its replies were still on the slow link), the slow server
+        is asked for the weights (``VALUE``)."""
+        if inc.expect or not inc.parts or len(inc.lost) < self.num_workers or inc.asked:
+            return
+        part = inc.parts[0]
+        n = inc.slice
+        held = [(r, w) for w, (r, v, _) in inc.lost.items() if v is not None]
+        r, w = max(held) if held else (-1, None)
+        if r == part["applied"]:
+            _, value, dtype = inc.lost[w]
+            if dtype != part["dtype"]:
+                raise RequestError("plan %d: worker %d's weights of key %d are %s, the slice's "
+                                   "%s" % (mig.version, w, part["key"], wire.dtype_of(dtype),
+                                           wire.dtype_of(part["dtype"])))
+            self._seed_part(mig, part, value, w)
+            self._maybe_install(mig, (part["key"], part["target"]))
+            self._maybe_done(mig)
+            return
+        if r > part["applied"]:
+            raise RequestError("plan %d: worker %d pulled round %d of key %d [%d, +%d), but "
+                               "server %d applied round %d" % (
+                                   mig.version, w, r, part["key"], n.offset, n.length,
+                                   inc.source, part["applied"]))
+        inc.asked = True
+        mig.next_id += 1
+        mig.outgoing[mig.next_id] = inc.source
+        h = wire.Header(MsgType.VALUE, key=part["key"], sender=self.rank,
+                        plan_version=mig.version, offset=n.offset, length=n.length,
+                        request_id=mig.next_id)
+        self._out.append(Out(Out.PEER, inc.source, h, None))
+        log.info("server %d: plan %d: key %d [%d, +%d): no worker pulled round %d yet, its "
+                 "weights asked of server %d", self.rank, mig.version, part["key"], n.offset,
+                 n.length, part["applied"], inc.source)
+
+    def _on_value(self, client, h, payload):
+        """VALUE from a successor: the whole slice this server gave up in a divert."""
+        mig = self.migration
+        part = self.stash.get((h.key, h.offset))
+        if mig is None or mig.version != h.plan_version or self.rank not in mig.diverted \
+                or part is None or part["length"] != h.length:
+            raise RequestError("VALUE of key %d [%d, +%d) for plan %d: server %d did not give "
+                               "that slice up in that plan" % (h.key, h.offset, h.length,
+                                                               h.plan_version, self.rank))
+        self._reply(client, h, MsgType.ACK, length=0)
+        self._send_part(mig, h.sender, dict(part))
+
+    def diverted_request(self, h):
+        """A data request of an older plan for a slice this server gave up in a divert: the
+        worker sent it to the successor too, so it is dropped without an answer."""
+        return (h.key, h.offset) in self.diverted_away and h.plan_version < self.plan_version
 
     def _stateful(self, value):
         """Whether the optimizer keeps state for a slice like ``value`` (what a lost slice's

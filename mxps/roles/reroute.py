@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from .slow_watch import SlowWatch
+
 from ..placement.plan import table_to_json
 from ..wire import frame as wire
 from ..wire.frame import Header, MsgType
@@ -70,7 +72,8 @@ class Rerouting:
     """Part of the worker's ``Client`` (see the module docstring)."""
 
     def _init_rerouting(self, cfg):
-        self.failover = cfg.failover
+        # MXPS_DIVERT moves a live, slow server's slices the same way (``divert`` below)
+        self.failover = cfg.failover or cfg.divert
         n = len(self.servers)
         # per server: (key, offset) -> (round, the reply callback whose buffer the pull
         # filled, dtype code) of the last pull answered
@@ -82,12 +85,24 @@ class Rerouting:
         # this worker's first pull of the slice (a successor's seed before any pull)
         self._inits = [{} for _ in range(n)]
         self.lost = set()
+        # MXPS_DIVERT: server -> the plan version that moved its slices away; a data request
+        # of an older plan submitted for it goes where its slice is now
+        self.diverted = {}
+        # request ids sent again elsewhere after a divert: the slow server's late replies
+        # to them are dropped without a word
+        self._moved_ids = set()
         # the adapter's: (version, lost server) -> (old table, new table, {(key, offset):
         # (successor, length)}); and (key, offset) -> (server, plan version) of the plan in
         # force, for requests submitted by an older plan to a lost server
         self.on_failover = None
         self.route = None
         self.failovers = []       # (version, lost server, seconds the rerouting took)
+        # MXPS_DIVERT: the ACK rates that find a slow server inside a round (``SlowWatch``);
+        # MXPS_DIVERT_FORCE (tests): (round, server) worker 0 reports slow at that round
+        self._watch = SlowWatch(len(self.servers)) if cfg.divert else None
+        self._next_watch = 0.0
+        self._force_slow = cfg.divert_force if cfg.divert and self.rank == 0 else ()
+        self.diverts = []         # ... of slow servers (MXPS_DIVERT)
 
     def _remember(self, server, request, h, on_reply, payload):
         """A reply of ``server`` was taken (I/O thread; failover on)."""
@@ -109,19 +124,29 @@ class Rerouting:
     def _take_failovers(self):
         while self.link.failovers:
             body = self.link.failovers.pop(0)
-            self._fail_over(body["version"], body["dead"])
+            self._fail_over(body["version"], body["dead"], body.get("divert", False))
 
-    def _fail_over(self, version, dead):
+    def _fail_over(self, version, dead, divert=False):
+        """Server ``dead`` is lost, or (``divert``, MXPS_DIVERT) alive and slow: its slices
+        go to successors now, inside the round.  A slow server keeps its control requests
+        (it will answer them); its data requests go to the successors as a lost one's do,
+        and its replies to them, when they come, are dropped."""
         t0 = time.monotonic()
-        if dead in self.lost:
+        if dead in self.lost or self.diverted.get(dead) == version:
             return
         if self.on_failover is None:
             self.link.fail("server %d was lost before this worker's kvstore existed" % dead)
         if not 0 <= dead < len(self.servers):
             self.link.fail("the scheduler named server %d lost; the job has %d"
                            % (dead, len(self.servers)))
-        old, new, moved = self.on_failover(version, dead)
-        self.lost.add(dead)
+        old, new, moved = self.on_failover(version, dead, divert)
+        if divert:
+            self.diverted[dead] = version
+            self._moved_ids.clear()     # an earlier divert's: long answered or never will be
+            if self._watch is not None:
+                self._watch.forget(dead)
+        else:
+            self.lost.add(dead)
         self.link.send(MsgType.FAILOVER, json.dumps(
             {"version": version, "dead": dead, "old": table_to_json(old),
              "new": table_to_json(new)}).encode())
@@ -162,9 +187,11 @@ class Rerouting:
         again = 0
         for rid, entry in list(self._pending.items()):
             on_reply, _, server, h, held, payload = entry
-            if server != dead:
+            if server != dead or divert and h.type not in _DATA:
                 continue
             del self._pending[rid]
+            if divert:
+                self._moved_ids.add(rid)
             if held:
                 self._unacked[dead] -= held
                 self._unacked_count[dead] -= 1
@@ -206,10 +233,32 @@ class Rerouting:
         self._acked[dead] = {}
         self._inits[dead] = {}
         took = time.monotonic() - t0
-        self.failovers.append((version, dead, took))
-        log.warning("worker %d: server %d lost; %d slices go to %s (plan %d), %d requests sent "
-                    "again (%.3f s)", self.rank, dead, len(moved),
-                    sorted({to for to, _ in moved.values()}), version, again, took)
+        if divert:
+            self.diverts.append((version, dead, took))
+        else:
+            self.failovers.append((version, dead, took))
+        (log.info if divert else log.warning)(
+            "worker %d: server %d %s; %d slices go to %s (plan %d), %d requests sent again "
+            "(%.3f s)", self.rank, dead, "slow" if divert else "lost", len(moved),
+            sorted({to for to, _ in moved.values()}), version, again, took)
+
+    WATCH_EVERY = 0.02      # seconds between two looks for a slow server (MXPS_DIVERT)
+
+    def _watch_slow(self, now):
+        if now < self._next_watch:
+            return
+        self._next_watch = now + self.WATCH_EVERY
+        for s, ratio in self._watch.slow(now):
+            if s not in self.lost:
+                self._report_slow(s, self._watch.round[s], ratio)
+
+    def _report_slow(self, server, rnd, ratio):
+        """Tell the scheduler server ``server`` slowed down in round ``rnd`` to ``ratio`` of its
+        rate (MXPS_DIVERT); it decides whether its slices move."""
+        log.info("worker %d: server %d's acknowledgements at %.2fx of its last rounds' rate "
+                 "in round %s", self.rank, server, ratio, rnd)
+        self.link.send(MsgType.SLOW, json.dumps(
+            {"server": server, "round": int(rnd or 0), "ratio": float(ratio)}).encode())
 
     def live_servers(self):
         """The ranks of the servers not lost to a failover."""
@@ -228,7 +277,19 @@ class Rerouting:
     def _rerouted(self, server, h):
         """The server a request submitted for ``server`` goes to: itself unless lost (an
         operation issued by the plan before a failover)."""
-        if server in self.lost and h.type in _DATA:
+        if h.type in _DATA and (server in self.lost or
+                                h.plan_version < self.diverted.get(server, 0)):
             to, h.plan_version = self.route(h.key, h.offset)
             return to
         return server
+
+    def moved_reply(self, server, h):
+        """Whether ``h`` is a slow server's late reply to a request sent again elsewhere
+        after a divert (dropped without a word)."""
+        if h.request_id in self._moved_ids and server in self.diverted:
+            entry = self._pending.get(h.request_id)
+            if entry is None or entry[2] != server:
+                if entry is None:
+                    self._moved_ids.discard(h.request_id)
+                return True
+        return False

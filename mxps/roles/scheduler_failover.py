@@ -21,6 +21,13 @@ a second server lost before the first failover is in place, a server lost during
 overlapped move; re-planning stops after a failover (the planner places on every server of the
 job).  The scheduler's own death ends the job: every node gives up after
 MXPS_HEARTBEAT_TIMEOUT of its silence.
+
+A *divert* (MXPS_DIVERT, docs/REPLAN.md) is the same move for a server that is alive but
+slow: a worker reports its acknowledgements slowed down inside a round (``_on_slow``), and
+the scheduler sends every worker FAILOVER {version, dead, divert}; the server stays in the job
+and gets a PLAN too, sending the successors its slices' optimizer state only.  At most one
+divert per server between two re-plan points, none while a plan moves state or a worker waits
+at a point; the next point re-plans with the slow rate the worker measured.
 """
 import dataclasses
 import json
@@ -146,20 +153,24 @@ class Failover:
         """A worker's successor tables (checked): the PLAN for the survivors (the first
         answer counts; every worker computed the same tables)."""
         p = self.pending_plan
-        if p is None or "failover" not in p or version != p["version"] or \
-                p["table"] is not None:
+        if p is None or not ("failover" in p or "divert" in p) or version != p["version"] \
+                or p["table"] is not None:
             return
         lost = sorted(n.rank for n in self.nodes.values() if n.lost)
-        on_lost = [k for k, slices in new.items() if any(x.server in lost for x in slices)]
+        gone = [p["divert"]["server"]] if "divert" in p else lost
+        on_lost = [k for k, slices in new.items() if any(x.server in gone for x in slices)]
         if on_lost:
-            self._abort("%s placed key %d on lost server(s) %s after the failover"
-                        % (node.describe(), on_lost[0], lost))
+            self._abort("%s placed key %d on %s server(s) %s after the %s"
+                        % (node.describe(), on_lost[0], "slow" if "divert" in p else "lost",
+                           gone, "divert" if "divert" in p else "failover"))
             return
         p["table"] = new
-        p["failover"]["slices"] = sum(
-            1 for k, slices in old.items() for x in slices if x.server in lost)
+        (p.get("failover") or p["divert"])["slices"] = sum(
+            1 for k, slices in old.items() for x in slices if x.server in gone)
         plan = {"version": p["version"], "old": table_to_json(old), "new": table_to_json(new),
                 "lost": lost}
+        if "divert" in p:
+            plan["diverted"] = gone
         data = json.dumps(plan).encode()
         for n in self._servers():
             self._send(n, MsgType.PLAN, data, plan_version=p["version"])
@@ -174,4 +185,49 @@ class Failover:
                     record["in_place_at"] - record["detected_at"],
                     "optimizer state of %d of them reset (it was on the lost server only)"
                     % len(reset) if reset else "no optimizer state was lost")
+        self._step.facts = self.facts()
+
+    # -- MXPS_DIVERT: a slow server's slices leave it inside the round -----------------------
+    def _on_slow(self, node, server, round_, ratio):
+        """Worker ``node`` found server ``server``'s acknowledgements at ``ratio`` of their
+        rate in round ``round_``: move its slices to the others now, if nothing else moves."""
+        target = next((n for n in self._servers() if n.rank == server), None)
+        if not self.cfg.divert or target is None or self.pending_plan is not None or \
+                self.replan_reports or self.failovers or len(self._servers()) < 2 or \
+                server in self.diverted_now:
+            log.info("%s reports server %d slow in round %d (%.2fx); not moved now",
+                     node.describe(), server, round_, ratio)
+            return
+        self.plan_version += 1
+        record = {"server": server, "plan_version": self.plan_version, "round": round_,
+                  "ratio": round(ratio, 4), "reported_by": node.rank,
+                  "detected_at": round(self._now - self.started_at, 6), "in_place_at": None,
+                  "slices": 0}
+        self.diverts.append(record)
+        self.diverted_now.add(server)
+        self.pending_plan = {"version": self.plan_version, "table": None, "acks": set(),
+                             "planned": 0, "moved": 0, "sent": 0, "round": None,
+                             "full_next": False, "released": True, "divert": record,
+                             "deadline": self._now + self.cfg.timeout}
+        # that round's times are not a link's (the slow server's work left it mid-round),
+        # and the next decision plans with the rate the worker saw
+        self.overlapped.add(round_)
+        if ratio > 0:
+            self.replanner.diverted(server, ratio)
+        log.warning("%s reports server %d's acknowledgements at %.2fx of their rate in round "
+                    "%d: its slices go to the other servers inside the round (MXPS_DIVERT, "
+                    "plan %d)", node.describe(), server, ratio, round_, self.plan_version)
+        body = json.dumps({"version": self.plan_version, "dead": server,
+                           "divert": True}).encode()
+        for w in self._live_workers():
+            self._send(w, MsgType.FAILOVER, body, plan_version=self.plan_version)
+        self._step.facts = self.facts()
+
+    def _divert_in_place(self, p):
+        record = p["divert"]
+        record["in_place_at"] = round(self._now - self.started_at, 6)
+        self.divert_table = p["table"]
+        log.info("plan %d in place: server %d's %d slices on the other servers, %.3f s after "
+                 "it was reported slow", p["version"], record["server"], record["slices"],
+                 record["in_place_at"] - record["detected_at"])
         self._step.facts = self.facts()

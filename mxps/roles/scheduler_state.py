@@ -57,7 +57,7 @@ CLEAN_EXIT_REASON = "all workers finished"
 # dropped and counted: a server's BARRIER must not open a barrier for a worker)
 SENDS = {"worker": frozenset((MsgType.HEARTBEAT, MsgType.BARRIER, MsgType.BANDWIDTH,
                               MsgType.REPLAN, MsgType.FINISH, MsgType.ABORT,
-                              MsgType.FAILOVER)),
+                              MsgType.FAILOVER, MsgType.SLOW)),
          "server": frozenset((MsgType.HEARTBEAT, MsgType.PLAN, MsgType.ABORT))}
 # a finished worker only waits for the SHUTDOWN
 AFTER_FINISH = frozenset((MsgType.HEARTBEAT, MsgType.FINISH, MsgType.ABORT))
@@ -264,6 +264,9 @@ class SchedulerState(Failover):
         self.overlapped = set()    # rounds a move overlapped: not timed (_decide)
         self.points = []           # the job facts' "replan_points"
         self.failovers = []        # the job facts' "failovers" (MXPS_FAILOVER)
+        self.diverts = []          # the job facts' "diverts" (MXPS_DIVERT)
+        self.diverted_now = set()  # servers diverted since the last point
+        self.divert_table = None   # the table after the last divert, until the next point
         self.resume_round = None   # a resumed store's round, agreed at the start
         self.exit = None
         self.leaving = None        # after the SHUTDOWN: idents of the nodes yet to say BYE
@@ -356,6 +359,7 @@ class SchedulerState(Failover):
                 "workers": self._roster("worker"),
                 "replan_points": [dict(p) for p in self.points],
                 "failovers": [dict(f) for f in self.failovers],
+                "diverts": [dict(d) for d in self.diverts],
                 "resume_round": self.resume_round,
                 "exit": None if self.exit is None else dict(self.exit._asdict())}
 
@@ -527,6 +531,13 @@ class SchedulerState(Failover):
             except ValueError as e:
                 raise MalformedBody("FAILOVER: %s" % e) from None
             self._on_failover_tables(node, version, old, new)
+        elif h.type == MsgType.SLOW:
+            body = _json(payload)
+            if not isinstance(body, dict) or not _integer(body.get("server")) or not \
+                    _integer(body.get("round")) or not _number(body.get("ratio")) or \
+                    not 0 <= body["server"] < self.cfg.num_servers or body["ratio"] < 0:
+                raise MalformedBody("SLOW body needs server (a rank), round and ratio (>= 0)")
+            self._on_slow(node, body["server"], body["round"], float(body["ratio"]))
 
     def _bandwidth_report(self, payload):
         report = _json(payload)
@@ -620,6 +631,7 @@ class SchedulerState(Failover):
         if self.pending_plan is not None:
             return      # overlapped: the last plan's state is still moving; its acks call back
         reports, self.replan_reports = self.replan_reports, {}
+        self.diverted_now = set()
         point = self._agreed_point(reports)
         if point is None:
             return
@@ -652,6 +664,9 @@ class SchedulerState(Failover):
                                  if r not in skip} for rep in reports.values()])
         lead = reports.get(0) or reports[min(reports)]
         keys, old, opts = self._placement(lead)
+        if self.divert_table is not None:
+            # a divert since the last point: a worker may have reported the table before it
+            old, self.divert_table = self.divert_table, None
         if self.failovers:
             # the planner places on every server of the job: after a failover the
             # successor table stays (docs/FAILOVER.md)
@@ -789,6 +804,10 @@ class SchedulerState(Failover):
         if len(p["acks"]) < len(self._servers()):
             return
         self.pending_plan = None
+        if "divert" in p:
+            self._divert_in_place(p)
+            self._maybe_replan()
+            return
         if "failover" in p:
             self._failover_in_place(p)
             if p.get("abandoned") is not None:     # the workers wait at the point: release

@@ -43,7 +43,7 @@ ALLOWED = {
                          MsgType.PROBE, MsgType.LTP_HELLO, MsgType.LEAVE,
                          MsgType.PUSH_ROWS, MsgType.PULL_ROWS, MsgType.INIT_TABLE,
                          MsgType.SEED)),
-    "server": frozenset((MsgType.MIGRATE, MsgType.REPLICA)),
+    "server": frozenset((MsgType.MIGRATE, MsgType.REPLICA, MsgType.VALUE)),
 }
 _IDENTITY = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")
 
@@ -141,7 +141,7 @@ class Server:
         self.state = ServerState(self.rank, welcome["num_workers"], self.cfg.sync,
                                  num_servers=welcome["num_servers"], trace=self.trace, ltp=ltp,
                                  wsp=wsp, store=store, replica=self.cfg.replica,
-                                 failover=self.cfg.failover,
+                                 failover=self.cfg.failover or self.cfg.divert,
                                  progress=lambda: self.link.beat(time.monotonic()))
         self.peer_addrs = welcome["servers"]
         self.peer_seals = welcome["seals"]

@@ -95,6 +95,8 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
         # it for them (the workers did not stop for it)
         self.plan_floor = 0
         self.resent_dropped = 0    # pushes sent again after a failover that were in already
+        self.diverted_away = set()     # MXPS_DIVERT: (key, offset) given up in the last divert
+        self.diverted_dropped = 0      # ... and old requests for them, dropped
         self.migration = None      # the re-plan this server is moving state for
         self.early_parts = []      # parts of a plan whose PLAN message has not arrived yet
         self.early_seeds = []      # MXPS_REPLAN_SEED: workers' weights of such a plan
@@ -177,6 +179,9 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
             if handler is None:
                 raise RequestError("server cannot handle %s" % MsgType(h.type).name)
             if h.type in self._DATA and self._defer(client, h, payload):
+                return self._flush()
+            if h.type in self._DATA and self.diverted_away and self.diverted_request(h):
+                self.diverted_dropped += 1
                 return self._flush()
             handler(self, client, h, payload)
         except (RequestError, wire.WireError) as e:
@@ -618,6 +623,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
         MsgType.MIGRATE: Migrating._on_migrate,
         MsgType.SEED: Migrating._on_seed,
         MsgType.REPLICA: Replicas._on_replica,
+        MsgType.VALUE: Migrating._on_value,
         MsgType.PROBE: _on_probe,
         MsgType.INIT: _on_init,
         MsgType.PUSH: _on_push,

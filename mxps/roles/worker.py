@@ -547,7 +547,7 @@ class Client(Rerouting):
                 if server is None:
                     self.link.send(h.type, payload)
                     continue
-                if self.lost:
+                if self.lost or self.diverted:
                     server = self._rerouted(server, h)
                 if priority is not None and ltp is not None and self.cfg.ltp_critical_first \
                         and not self._ltp_takes(server, h, payload):
@@ -596,6 +596,11 @@ class Client(Rerouting):
                     if ltp is not None and self._ltp_push(server, h, payload, on_reply, n):
                         continue
                     self._send(server, h, payload, on_reply, n)
+                    if self._force_slow and h.iteration >= self._force_slow[0]:
+                        self._report_slow(self._force_slow[1], h.iteration, 0.0)
+                        self._force_slow = ()
+            if self._watch is not None:
+                self._watch_slow(now)
             if ltp is not None:
                 now = time.monotonic()
                 if ltp_fd in events:
@@ -677,6 +682,8 @@ class Client(Rerouting):
             if entry is None or entry[2] != i or h.type not in self._REPLY_TYPES:
                 if entry is not None:
                     self._pending[h.request_id] = entry
+                if self.diverted and self.moved_reply(i, h):
+                    continue
                 self.drops("unexpected", "worker %d: dropped %r from server %d (%s): not a reply "
                            "to a request of this worker to that server", self.rank, h, i,
                            self.server_addrs[i])
@@ -713,6 +720,9 @@ class Client(Rerouting):
             if entry[4]:
                 self._unacked[i] -= entry[4]
                 self._unacked_count[i] -= 1
+                if self._watch is not None:
+                    self._watch.acked(i, entry[3].iteration, entry[4], received,
+                                      bool(self._held[i]))
             if self.failover:
                 self._remember(i, entry[3], h, entry[0], entry[5])
 

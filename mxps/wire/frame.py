@@ -95,14 +95,20 @@ class MsgType(enum.IntEnum):
     INIT_TABLE = 33     # rank 0 -> server: a slice's initial value as a rule, typed payload
                         # {scale, seed} (mxps.store.table_init); `iteration`: the row width
     SEED = 34           # worker -> server: a moved part's weights from the worker's own copy
+                        # (MXPS_REPLAN_SEED: they need not cross the old owner's link);
+                        # answered with ACK
     FAILOVER = 35       # scheduler -> workers: JSON {version, dead}: a server is lost, its
                         # slices go to survivors; worker 0 -> scheduler: {version, dead, old,
-                        # new}, the tables it computed (placement.failover)
+                        # new}, the tables it computed (placement.failover); with
+                        # "divert": true the server is alive and slow (MXPS_DIVERT)
     REPLICA = 36        # server -> its buddy: a slice's optimizer state after a round, typed
                         # payload {key, offset, length, applied, state, count} (MXPS_REPLICA);
                         # answered with ACK
-                        # (MXPS_REPLAN_SEED: they need not cross the old owner's link);
-                        # answered with ACK
+    SLOW = 37           # worker -> scheduler: JSON {server, round, ratio}: that server's
+                        # acknowledgements slowed down inside the round (MXPS_DIVERT)
+    VALUE = 38          # server -> the old owner of a diverted slice: send its weights too
+                        # (no worker pulled the round it applied); answered with ACK and a
+                        # MIGRATE of the whole slice
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)
