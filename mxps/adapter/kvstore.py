@@ -630,6 +630,7 @@ class MXPS(KVStoreBase):
                                          plan_mod.table_from_json(answer["table"]))
         for k in self._keys.values():
             k.slices = self._plan.slices(k.id, k.size)
+        self._client.plan_changed()
         if self._trace_plans is not None:
             self._trace_plans[self._plan.version] = plan_mod.table_to_json(self._plan.table())
         self._metrics.new_plan(r, self._plan.version, answer.get("moved_bytes", 0))
@@ -646,7 +647,7 @@ class MXPS(KVStoreBase):
                                                          if self._cfg.failover else
                                                          "MXPS_DIVERT"))
 
-    def _failover(self, version, dead, divert=False):
+    def _failover(self, version, dead, divert=False, rates=None):
         """Server ``dead`` is lost (the I/O thread, at the scheduler's FAILOVER), or slow
         (``divert``, MXPS_DIVERT): the plan of ``version`` puts its slices on the others
         (``Plan.without``).  Returns (the old table, the new one, {(key, offset): (successor,
@@ -659,7 +660,7 @@ class MXPS(KVStoreBase):
                 "round's sum" % (dead, "slow" if divert else "lost"))
         old = self._plan.table()
         self._plan, moved = self._plan.without(version, [dead], buddies=self._cfg.replica,
-                                               alive=divert)
+                                               alive=divert, rates=rates)
         for k in list(self._keys.values()):
             k.slices = self._plan.slices(k.id, k.size)
         if self._trace_plans is not None:
@@ -669,13 +670,13 @@ class MXPS(KVStoreBase):
                                          for part, to in moved.items()}
 
     def _route(self, key, offset):
-        """(server, plan version) of the slice of ``key`` at ``offset`` in the plan in force."""
+        """(server, plan version) of the slice of ``key`` at ``offset`` in the plan in force
+        (server None: it has no slice there)."""
         plan = self._plan
         for x in plan.table().get(key, ()):
             if x.offset == offset:
                 return x.server, plan.version
-        self._client.link.fail("key %d has no slice at %d in plan %d" % (key, offset,
-                                                                        plan.version))
+        return None, plan.version
 
     def _seedable(self, r):
         """The keys whose weights this worker holds as the servers do at the point before round

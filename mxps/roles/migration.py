@@ -674,30 +674,32 @@ class Migrating:
 
     def _resolve_divert(self, mig, inc):
         """With the slow server's state and every worker's seed in: the weights are the
-        seeds' if the latest round a worker pulled is the one the state is of; if no worker
-        has pulled that round yet (its replies were still on the slow link), the slow server
-        is asked for the weights (``VALUE``)."""
+        seeds' if the latest round a worker pulled is the one the state is of and they are
+        the slow server's (its checksum); otherwise the slow server is asked for them
+        (``VALUE``): no worker pulled that round yet (its replies were still on the slow
+        link), or the workers' copy changed since (Gluon's BatchNorm running statistics,
+        pulled once and changed by the forward pass)."""
         if inc.expect or not inc.parts or len(inc.lost) < self.num_workers or inc.asked:
             return
         part = inc.parts[0]
         n = inc.slice
         held = [(r, w) for w, (r, v, _) in inc.lost.items() if v is not None]
         r, w = max(held) if held else (-1, None)
-        if r == part["applied"]:
-            _, value, dtype = inc.lost[w]
-            if dtype != part["dtype"]:
-                raise RequestError("plan %d: worker %d's weights of key %d are %s, the slice's "
-                                   "%s" % (mig.version, w, part["key"], wire.dtype_of(dtype),
-                                           wire.dtype_of(part["dtype"])))
-            self._seed_part(mig, part, value, w)
-            self._maybe_install(mig, (part["key"], part["target"]))
-            self._maybe_done(mig)
-            return
         if r > part["applied"]:
             raise RequestError("plan %d: worker %d pulled round %d of key %d [%d, +%d), but "
                                "server %d applied round %d" % (
                                    mig.version, w, r, part["key"], n.offset, n.length,
                                    inc.source, part["applied"]))
+        why = "no worker pulled round %d yet" % part["applied"]
+        if r == part["applied"]:
+            _, value, dtype = inc.lost[w]
+            if dtype == part["dtype"] and value.size == part["length"] and zlib.crc32(
+                    memoryview(np.ascontiguousarray(value)).cast("B")) == part["crc"]:
+                part["value"] = value
+                self._maybe_install(mig, (part["key"], part["target"]))
+                self._maybe_done(mig)
+                return
+            why = "worker %d's copy is not the server's (changed since its pull)" % w
         inc.asked = True
         mig.next_id += 1
         mig.outgoing[mig.next_id] = inc.source
@@ -705,9 +707,8 @@ class Migrating:
                         plan_version=mig.version, offset=n.offset, length=n.length,
                         request_id=mig.next_id)
         self._out.append(Out(Out.PEER, inc.source, h, None))
-        log.info("server %d: plan %d: key %d [%d, +%d): no worker pulled round %d yet, its "
-                 "weights asked of server %d", self.rank, mig.version, part["key"], n.offset,
-                 n.length, part["applied"], inc.source)
+        log.info("server %d: plan %d: key %d [%d, +%d): %s; its weights asked of server %d",
+                 self.rank, mig.version, part["key"], n.offset, n.length, why, inc.source)
 
     def _on_value(self, client, h, payload):
         """VALUE from a successor: the whole slice this server gave up in a divert."""

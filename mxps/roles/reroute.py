@@ -101,12 +101,19 @@ class Rerouting:
         # MXPS_DIVERT_FORCE (tests): (round, server) worker 0 reports slow at that round
         self._watch = SlowWatch(len(self.servers)) if cfg.divert else None
         self._next_watch = 0.0
+        self._watch_reset = False
         self._force_slow = cfg.divert_force if cfg.divert and self.rank == 0 else ()
         self.diverts = []         # ... of slow servers (MXPS_DIVERT)
 
     def _remember(self, server, request, h, on_reply, payload):
         """A reply of ``server`` was taken (I/O thread; failover on)."""
         if request.type in _PUSHES and h.type == MsgType.ACK:
+            pulled = self._pulled[server].get((request.key, request.offset))
+            if pulled is not None and pulled[0] >= request.iteration:
+                # a push sent again after a failover or divert, acknowledged after this
+                # worker pulled its round (the slice was rebuilt at that round): nothing to
+                # keep (kept, it would outlive its slice's plan)
+                return
             acked = self._acked[server].setdefault((request.key, request.offset), [])
             acked.append((request, payload))
             if len(acked) > 2:      # a key pushed and not pulled: its last rounds only
@@ -124,9 +131,10 @@ class Rerouting:
     def _take_failovers(self):
         while self.link.failovers:
             body = self.link.failovers.pop(0)
-            self._fail_over(body["version"], body["dead"], body.get("divert", False))
+            self._fail_over(body["version"], body["dead"], body.get("divert", False),
+                            body.get("rates"))
 
-    def _fail_over(self, version, dead, divert=False):
+    def _fail_over(self, version, dead, divert=False, rates=None):
         """Server ``dead`` is lost, or (``divert``, MXPS_DIVERT) alive and slow: its slices
         go to successors now, inside the round.  A slow server keeps its control requests
         (it will answer them); its data requests go to the successors as a lost one's do,
@@ -139,12 +147,12 @@ class Rerouting:
         if not 0 <= dead < len(self.servers):
             self.link.fail("the scheduler named server %d lost; the job has %d"
                            % (dead, len(self.servers)))
-        old, new, moved = self.on_failover(version, dead, divert)
+        old, new, moved = self.on_failover(version, dead, divert, rates)
         if divert:
             self.diverted[dead] = version
             self._moved_ids.clear()     # an earlier divert's: long answered or never will be
-            if self._watch is not None:
-                self._watch.forget(dead)
+            if self._watch is not None:     # every server's load changed: judge anew
+                self._watch.forget_all()
         else:
             self.lost.add(dead)
         self.link.send(MsgType.FAILOVER, json.dumps(
@@ -244,7 +252,15 @@ class Rerouting:
 
     WATCH_EVERY = 0.02      # seconds between two looks for a slow server (MXPS_DIVERT)
 
+    def plan_changed(self):
+        """A new plan (the training thread, at a point): the servers' loads changed, so
+        their ACK rates of the rounds before are no reference (MXPS_DIVERT)."""
+        self._watch_reset = True
+
     def _watch_slow(self, now):
+        if self._watch_reset:
+            self._watch_reset = False
+            self._watch.forget_all()
         if now < self._next_watch:
             return
         self._next_watch = now + self.WATCH_EVERY
@@ -268,18 +284,25 @@ class Rerouting:
         """The successor of request ``h``'s slice, with ``h`` set to the plan in force."""
         got = moved.get((h.key, h.offset))
         if got is None:
-            to, version = self.route(h.key, h.offset)
+            to, version = self._route(h)
         else:
             to, version = got[0], self.route(h.key, h.offset)[1]
         h.plan_version = version
         return to
+
+    def _route(self, h):
+        to, version = self.route(h.key, h.offset)
+        if to is None:
+            self.link.fail("%r cannot be sent again: key %d has no slice at %d in plan %d"
+                           % (h, h.key, h.offset, version))
+        return to, version
 
     def _rerouted(self, server, h):
         """The server a request submitted for ``server`` goes to: itself unless lost (an
         operation issued by the plan before a failover)."""
         if h.type in _DATA and (server in self.lost or
                                 h.plan_version < self.diverted.get(server, 0)):
-            to, h.plan_version = self.route(h.key, h.offset)
+            to, h.plan_version = self._route(h)
             return to
         return server
 

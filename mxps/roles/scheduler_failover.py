@@ -217,8 +217,11 @@ class Failover:
         log.warning("%s reports server %d's acknowledgements at %.2fx of their rate in round "
                     "%d: its slices go to the other servers inside the round (MXPS_DIVERT, "
                     "plan %d)", node.describe(), server, ratio, round_, self.plan_version)
-        body = json.dumps({"version": self.plan_version, "dead": server,
-                           "divert": True}).encode()
+        rates = self.replanner.rates
+        body = {"version": self.plan_version, "dead": server, "divert": True}
+        if rates and all(r and r > 0 for r in rates):
+            body["rates"] = [float(r) for r in rates]    # the successors by rate
+        body = json.dumps(body).encode()
         for w in self._live_workers():
             self._send(w, MsgType.FAILOVER, body, plan_version=self.plan_version)
         self._step.facts = self.facts()

@@ -13,7 +13,9 @@ own link (or its CPU) slowed, and moving slices between servers would not help.
 The worker reports a slow server to the scheduler (``MsgType.SLOW``), which may move that
 server's slices to the others inside the round (``roles.reroute``).  One round of history is
 not enough to judge (the first rounds, and a server just moved away from); a server is
-reported at most once per round.
+reported at most once per round.  A new plan (or a divert) clears the history: a server's
+ACK rate depends on its load too (its CPU applies the optimizer), so only rounds of the
+plan in force are a reference.
 """
 import collections
 import statistics
@@ -21,7 +23,7 @@ import statistics
 
 class SlowWatch:
     WINDOW = 0.3        # seconds of backlog the present rate is taken over
-    FACTOR = 2.5        # this much slower than the server's last rounds: slow
+    FACTOR = 3.0        # this much slower than the server's last rounds: slow
     OTHERS = 1.5        # ... unless another backlogged server slowed by this much too
     ROUNDS = 3          # rounds of history per server (their median is the reference)
     MIN_BUSY = 0.05     # a round with less backlogged time than this is not history
@@ -68,12 +70,14 @@ class SlowWatch:
         self.busy[s] = [0, 0.0]
         self._end_backlog(s, None)
 
-    def forget(self, s):
-        """Server ``s``'s slices moved away (a divert): its history is of its old link."""
-        self.history[s].clear()
-        self.busy[s] = [0, 0.0]
-        self.round[s] = None
-        self._end_backlog(s, None)
+    def forget_all(self):
+        """A new plan or a divert: every server's load changed, and with it (CPU-bound
+        servers, shared links) its ACK rate; judge on rounds of the new plan only."""
+        for s in range(len(self.history)):
+            self.history[s].clear()
+            self.busy[s] = [0, 0.0]
+            self.round[s] = None
+            self._end_backlog(s, None)
 
     def ratio(self, s, now):
         """Server ``s``'s present rate over its reference, or None if it cannot be judged
