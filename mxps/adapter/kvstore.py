@@ -630,7 +630,6 @@ class MXPS(KVStoreBase):
                                          plan_mod.table_from_json(answer["table"]))
         for k in self._keys.values():
             k.slices = self._plan.slices(k.id, k.size)
-        self._client.plan_changed()
         if self._trace_plans is not None:
             self._trace_plans[self._plan.version] = plan_mod.table_to_json(self._plan.table())
         self._metrics.new_plan(r, self._plan.version, answer.get("moved_bytes", 0))

@@ -101,7 +101,6 @@ class Rerouting:
         # MXPS_DIVERT_FORCE (tests): (round, server) worker 0 reports slow at that round
         self._watch = SlowWatch(len(self.servers)) if cfg.divert else None
         self._next_watch = 0.0
-        self._watch_reset = False
         self._force_slow = cfg.divert_force if cfg.divert and self.rank == 0 else ()
         self.diverts = []         # ... of slow servers (MXPS_DIVERT)
 
@@ -151,8 +150,8 @@ class Rerouting:
         if divert:
             self.diverted[dead] = version
             self._moved_ids.clear()     # an earlier divert's: long answered or never will be
-            if self._watch is not None:     # every server's load changed: judge anew
-                self._watch.forget_all()
+            if self._watch is not None:
+                self._watch.forget(dead)
         else:
             self.lost.add(dead)
         self.link.send(MsgType.FAILOVER, json.dumps(
@@ -252,15 +251,7 @@ class Rerouting:
 
     WATCH_EVERY = 0.02      # seconds between two looks for a slow server (MXPS_DIVERT)
 
-    def plan_changed(self):
-        """A new plan (the training thread, at a point): the servers' loads changed, so
-        their ACK rates of the rounds before are no reference (MXPS_DIVERT)."""
-        self._watch_reset = True
-
     def _watch_slow(self, now):
-        if self._watch_reset:
-            self._watch_reset = False
-            self._watch.forget_all()
         if now < self._next_watch:
             return
         self._next_watch = now + self.WATCH_EVERY
@@ -268,13 +259,16 @@ class Rerouting:
             if s not in self.lost:
                 self._report_slow(s, self._watch.round[s], ratio)
 
-    def _report_slow(self, server, rnd, ratio):
+    def _report_slow(self, server, rnd, ratio, forced=False):
         """Tell the scheduler server ``server`` slowed down in round ``rnd`` to ``ratio`` of its
-        rate (MXPS_DIVERT); it decides whether its slices move."""
-        log.info("worker %d: server %d's acknowledgements at %.2fx of its last rounds' rate "
-                 "in round %s", self.rank, server, ratio, rnd)
-        self.link.send(MsgType.SLOW, json.dumps(
-            {"server": server, "round": int(rnd or 0), "ratio": float(ratio)}).encode())
+        rate relative to the other servers (MXPS_DIVERT); it decides whether its slices move.
+        ``forced``: MXPS_DIVERT_FORCE's report (tests)."""
+        log.info("worker %d: server %d's acknowledgements at %.2fx of their rate relative to "
+                 "the other servers in round %s", self.rank, server, ratio, rnd)
+        body = {"server": server, "round": int(rnd or 0), "ratio": float(ratio)}
+        if forced:
+            body["forced"] = True
+        self.link.send(MsgType.SLOW, json.dumps(body).encode())
 
     def live_servers(self):
         """The ranks of the servers not lost to a failover."""

@@ -188,13 +188,18 @@ class Failover:
         self._step.facts = self.facts()
 
     # -- MXPS_DIVERT: a slow server's slices leave it inside the round -----------------------
-    def _on_slow(self, node, server, round_, ratio):
+    def _on_slow(self, node, server, round_, ratio, forced=False):
         """Worker ``node`` found server ``server``'s acknowledgements at ``ratio`` of their
         rate in round ``round_``: move its slices to the others now, if nothing else moves."""
         target = next((n for n in self._servers() if n.rank == server), None)
+        seen = self.slow_reports.setdefault((server, round_), set())
+        seen.add(node.rank)
+        # two workers must agree (a server's own stall looks slow to one worker first), but
+        # a forced report (MXPS_DIVERT_FORCE) counts alone
+        agreed = len(seen) >= min(2, len(self._live_workers())) or forced
         if not self.cfg.divert or target is None or self.pending_plan is not None or \
                 self.replan_reports or self.failovers or len(self._servers()) < 2 or \
-                server in self.diverted_now:
+                server in self.diverted_now or not agreed:
             log.info("%s reports server %d slow in round %d (%.2fx); not moved now",
                      node.describe(), server, round_, ratio)
             return
@@ -212,7 +217,7 @@ class Failover:
         # that round's times are not a link's (the slow server's work left it mid-round),
         # and the next decision plans with the rate the worker saw
         self.overlapped.add(round_)
-        if ratio > 0:
+        if not forced:
             self.replanner.diverted(server, ratio)
         log.warning("%s reports server %d's acknowledgements at %.2fx of their rate in round "
                     "%d: its slices go to the other servers inside the round (MXPS_DIVERT, "

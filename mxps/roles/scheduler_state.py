@@ -266,6 +266,7 @@ class SchedulerState(Failover):
         self.failovers = []        # the job facts' "failovers" (MXPS_FAILOVER)
         self.diverts = []          # the job facts' "diverts" (MXPS_DIVERT)
         self.diverted_now = set()  # servers diverted since the last point
+        self.slow_reports = {}     # (server, round) -> workers that reported it slow
         self.divert_table = None   # the table after the last divert, until the next point
         self.resume_round = None   # a resumed store's round, agreed at the start
         self.exit = None
@@ -537,7 +538,8 @@ class SchedulerState(Failover):
                     _integer(body.get("round")) or not _number(body.get("ratio")) or \
                     not 0 <= body["server"] < self.cfg.num_servers or body["ratio"] < 0:
                 raise MalformedBody("SLOW body needs server (a rank), round and ratio (>= 0)")
-            self._on_slow(node, body["server"], body["round"], float(body["ratio"]))
+            self._on_slow(node, body["server"], body["round"], float(body["ratio"]),
+                          body.get("forced") is True)
 
     def _bandwidth_report(self, payload):
         report = _json(payload)

@@ -5,26 +5,27 @@ unacknowledged; while more wait behind the window (a *backlog*), each ACK releas
 push, so the rate at which ACKs come is the rate the path to that server delivers this
 worker's gradients.  ``SlowWatch`` keeps, per server, that rate over the backlogged time of
 each of the last rounds, and over the last ``WINDOW`` seconds of the present backlog (a
-server that stops answering measures 0).  A server is *slow* when its present rate is under
-1/``FACTOR`` of the median of its last rounds while no other backlogged server of this
-worker is under 1/``OTHERS`` of its own: if every server slowed down together, the worker's
-own link (or its CPU) slowed, and moving slices between servers would not help.
+server that stops answering measures 0).  Rates are compared *between servers*: a server is
+*slow* when its present rate relative to the other backlogged servers' present rates fell
+to under 1/``FACTOR`` of what it was relative to theirs in the last rounds.  What slows every
+server alike (this worker's own link or CPU, a busier machine, every server's larger share
+after a re-plan) moves nothing; a server can be judged only while another one is.
 
 The worker reports a slow server to the scheduler (``MsgType.SLOW``), which may move that
 server's slices to the others inside the round (``roles.reroute``).  One round of history is
 not enough to judge (the first rounds, and a server just moved away from); a server is
-reported at most once per round.  A new plan (or a divert) clears the history: a server's
-ACK rate depends on its load too (its CPU applies the optimizer), so only rounds of the
-plan in force are a reference.
+reported at most once per round, and a server whose slices were moved away forgets its
+history (it is of the link it had).
 """
 import collections
 import statistics
 
 
 class SlowWatch:
-    WINDOW = 0.3        # seconds of backlog the present rate is taken over
+    WINDOW = 0.8        # seconds of backlog the present rate is taken over (a server's CPU
+                        # stalls for tenths of a second on this 2-core machine; a link that
+                        # changed stays changed)
     FACTOR = 3.0        # this much slower than the server's last rounds: slow
-    OTHERS = 1.5        # ... unless another backlogged server slowed by this much too
     ROUNDS = 3          # rounds of history per server (their median is the reference)
     MIN_BUSY = 0.05     # a round with less backlogged time than this is not history
 
@@ -70,34 +71,38 @@ class SlowWatch:
         self.busy[s] = [0, 0.0]
         self._end_backlog(s, None)
 
-    def forget_all(self):
-        """A new plan or a divert: every server's load changed, and with it (CPU-bound
-        servers, shared links) its ACK rate; judge on rounds of the new plan only."""
-        for s in range(len(self.history)):
-            self.history[s].clear()
-            self.busy[s] = [0, 0.0]
-            self.round[s] = None
-            self._end_backlog(s, None)
+    def forget(self, s):
+        """Server ``s``'s slices left it (a divert): its history is of the link it had."""
+        self.history[s].clear()
+        self.busy[s] = [0, 0.0]
+        self.round[s] = None
+        self._end_backlog(s, None)
 
-    def ratio(self, s, now):
-        """Server ``s``'s present rate over its reference, or None if it cannot be judged
-        (no backlog for WINDOW seconds, or fewer than two rounds of history)."""
+    def rate(self, s, now):
+        """Server ``s``'s ACK rate over the last WINDOW of its present backlog, or None if it
+        cannot be judged (no backlog for WINDOW seconds, or fewer than two rounds of
+        history)."""
         since = self.since[s]
         if since is None or now - since < self.WINDOW or len(self.history[s]) < 2:
             return None
-        got = sum(n for t, n in self.acks[s] if t >= now - self.WINDOW)
-        return got / self.WINDOW / statistics.median(self.history[s])
+        return sum(n for t, n in self.acks[s] if t >= now - self.WINDOW) / self.WINDOW
 
     def slow(self, now):
-        """[(server, ratio)] of the servers slow now and not yet reported this round."""
-        ratios = {s: self.ratio(s, now) for s in range(len(self.since))}
-        judged = {s: r for s, r in ratios.items() if r is not None}
+        """[(server, ratio)] of the servers slow now and not yet reported this round: those
+        whose rate, relative to the other judged servers' now, fell to under 1/FACTOR of what
+        it was relative to theirs in the last rounds (``ratio``: that fall)."""
+        rates = {s: self.rate(s, now) for s in range(len(self.since))}
+        judged = {s: r for s, r in rates.items() if r is not None}
+        ref = {s: statistics.median(self.history[s]) for s in judged}
         out = []
         for s, r in judged.items():
-            if r * self.FACTOR >= 1 or self.reported.get(s) == self.round[s]:
+            others = [o for o in judged if o != s]
+            if not others or self.reported.get(s) == self.round[s]:
                 continue
-            if any(x * self.OTHERS < 1 for o, x in judged.items() if o != s):
-                continue
-            self.reported[s] = self.round[s]
-            out.append((s, r))
+            now_rel = r / max(statistics.median(judged[o] for o in others), 1e-9)
+            ref_rel = ref[s] / statistics.median(ref[o] for o in others)
+            ratio = now_rel / ref_rel
+            if ratio * self.FACTOR < 1:
+                self.reported[s] = self.round[s]
+                out.append((s, ratio))
         return out

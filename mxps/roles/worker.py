@@ -597,7 +597,7 @@ class Client(Rerouting):
                         continue
                     self._send(server, h, payload, on_reply, n)
                     if self._force_slow and h.iteration >= self._force_slow[0]:
-                        self._report_slow(self._force_slow[1], h.iteration, 0.0)
+                        self._report_slow(self._force_slow[1], h.iteration, 0.0, True)
                         self._force_slow = ()
             if self._watch is not None:
                 self._watch_slow(now)
