@@ -72,6 +72,7 @@ FILE_TIERS = {
     "test_push_gate.py": "unit",
     "test_replan.py": "cluster",
     "test_divert.py": "cluster",
+    "test_slow_watch.py": "unit",
     "test_scheduler_state.py": "unit",
     "test_server_state.py": "unit",
     "test_server_bench.py": "cluster",

@@ -81,6 +81,10 @@ class Rerouting:
         # per server: (key, offset) -> [(header, payload)] of pushes it acknowledged of rounds
         # this worker has not pulled from it yet
         self._acked = [{} for _ in range(n)]
+        # per key: [offset, stop, round, the reply callback whose buffer the pull filled,
+        # dtype code] of its recent pulls from any server, of any plan (a slice re-cut at a
+        # re-plan point was pulled as other slices: ``_held_copy``)
+        self._pulls = {}
         # per server: (key, offset) -> (payload, dtype code) of an INIT it acknowledged, until
         # this worker's first pull of the slice (a successor's seed before any pull)
         self._inits = [{} for _ in range(n)]
@@ -122,10 +126,38 @@ class Rerouting:
         if request.type in (MsgType.PULL, MsgType.PUSHPULL) and h.type == MsgType.DATA:
             part = (request.key, request.offset)
             self._pulled[server][part] = (h.iteration, on_reply, h.dtype)
+            self._pulled_range(request, h, on_reply)
             self._inits[server].pop(part, None)
             acked = self._acked[server].get(part)
             if acked:
                 acked[:] = [(q, p) for q, p in acked if q.iteration > h.iteration]
+
+    KEEP_PULLS = 3      # rounds of pulls per key kept for ``_held_copy``
+
+    def _pulled_range(self, request, h, on_reply):
+        pulls = self._pulls.setdefault(request.key, [])
+        stop = request.offset + request.length
+        pulls[:] = [p for p in pulls if (p[0], p[1]) != (request.offset, stop)
+                    and p[2] > h.iteration - self.KEEP_PULLS]
+        pulls.append([request.offset, stop, h.iteration, on_reply, h.dtype])
+
+    def _held_copy(self, key, offset, length):
+        """(round, reply callback, dtype) of this worker's copy of key ``key``'s elements
+        [offset, offset + length): each element holds what the latest pull that wrote it got;
+        the round is the oldest of those (a seed older than the server's round is not
+        used).  None if some element was not pulled lately."""
+        stop = offset + length
+        pulls = [p for p in self._pulls.get(key, ()) if p[0] < stop and offset < p[1]]
+        cuts = sorted({offset, stop} | {x for p in pulls for x in p[:2] if offset < x < stop})
+        oldest, best = None, None
+        for a, b in zip(cuts, cuts[1:]):
+            cover = [p for p in pulls if p[0] <= a and b <= p[1]]
+            if not cover:
+                return None
+            latest = max(cover, key=lambda p: p[2])
+            if oldest is None or latest[2] < oldest:
+                oldest, best = latest[2], latest
+        return None if best is None else (oldest, best[3], best[4])
 
     def _take_failovers(self):
         while self.link.failovers:
@@ -169,7 +201,7 @@ class Rerouting:
         # 1. the successors' seeds: this worker's copy of each lost slice
         pulled = self._pulled[dead]
         for (key, offset), (to, length) in sorted(moved.items()):
-            got = pulled.get((key, offset))
+            got = pulled.get((key, offset)) or self._held_copy(key, offset, length)
             what = "SEED of key %d [%d, +%d) to server %d" % (key, offset, length, to)
             init = inits.get((key, offset))
             if got is None and init is not None and init[0] is not None:
