@@ -1362,6 +1362,126 @@ class FailingOver(Cluster):
                     assert counts(s).get(slot.index, 0) == slot.applied, (s.rank, slot.key)
 
 
+class Diverting(FailingOver):
+    """Three servers, SGD with momentum; at any moment of any interleaving one server is
+    diverted (MXPS_DIVERT): it is alive and gets the PLAN too, drops its partial rounds and
+    sends each successor the slice's state (``_divert_part``); the successors take the
+    workers' seeds or ask the slow server for its weights (``VALUE``).  The workers do what
+    ``roles.reroute`` does (a request that reaches the slow server after its PLAN is dropped
+    there: ``test_a_diverted_slice_takes_weights_...``).  Every message between the
+    servers (parts, VALUE, their acknowledgements) is delivered in an order drawn among the
+    workers' messages and the PLANs.  The momentum moves with its slice: every pull gets the
+    reference weights and every slice's update count is its rounds."""
+
+    MOMENTUM = 0.5
+
+    def _divert_outs(self, server, outs, request, peers):
+        for o in outs:
+            if o.to == Out.SCHEDULER:
+                body = json.loads(o.payload)
+                assert "error" not in body, body
+                self.reports.append(body)
+            elif o.to == Out.PEER:
+                peers.append(("peer", o.dest, server, o.header, o.payload))
+            elif isinstance(o.dest, bytes) and o.dest.startswith(b"peer"):
+                assert o.header.type == MsgType.ACK, o.payload
+                peers.append(("reply", int(o.dest[4:]), server, o.header, None))
+            elif o.header.type == MsgType.ACK:
+                assert request is None or o.header.request_id == request.request_id
+            else:
+                self._receive(server, request, [o])
+
+    @precondition(lambda self: not self.lost)
+    @rule(data=st.data())
+    def lose_a_server(self, data):
+        """Not here: a server is diverted (below), not lost."""
+
+    @precondition(lambda self: not self.lost and any(self.pushed.values()))
+    @rule(data=st.data())
+    def divert_a_server(self, data):
+        from mxps.placement.failover import successors
+        slow = data.draw(st.integers(0, self.SERVERS - 1))
+        self.lost.add(slow)
+        for s in self.servers:
+            s.failover = True
+        old = self.table
+        new, moved = successors(old, {slow}, self.SERVERS)
+        self.version += 1
+        self.reports = []
+        body = json.dumps({"version": self.version, "old": table_to_json(old),
+                           "new": table_to_json(new), "lost": [],
+                           "diverted": [slow]}).encode()
+        queues = [[("plan", s) for s in range(self.SERVERS)]]
+        for w in range(self.WORKERS):
+            q = []
+            for (k, off), to in sorted(moved.items()):
+                got = self.held.get((w, k, off))
+                if got is None:
+                    h = Header(MsgType.SEED, key=k, sender=w, iteration=0,
+                               plan_version=self.version, offset=off, length=x_len(old, k, off),
+                               request_id=next(_ids), dtype=NO_DTYPE)
+                    q.append(("msg", to, h, None))
+                else:
+                    h, v = request(MsgType.SEED, k, w=w, it=got[0], offset=off,
+                                   value=got[1], version=self.version)
+                    q.append(("msg", to, h, v))
+            for rid, (ww, h, payload) in list(self.waiting.items()):
+                if ww == w and (h.key, h.offset) in moved and \
+                        self.pending.get((w, h.key), {}).get(rid, (0, -1))[1] == slow:
+                    to = moved[(h.key, h.offset)]
+                    r, _, off = self.pending[(w, h.key)][rid]
+                    self.pending[(w, h.key)][rid] = (r, to, off)
+                    h.plan_version = self.version
+                    if h.type == MsgType.PUSHPULL:
+                        h.flags |= 0x40
+                    q.append(("msg", to, h, payload))
+            for (ww, k, off), pushes in self.acked.items():
+                if ww == w and (k, off) in moved:
+                    for h, payload in pushes:
+                        if h.type != MsgType.PUSH:
+                            continue
+                        h.plan_version = self.version
+                        h.flags |= 0x40
+                        q.append(("msg", moved[(k, off)], h, payload))
+            queues.append(q)
+        peers = []
+        queues.append(peers)
+        while any(queues):
+            i = data.draw(st.sampled_from([i for i, q in enumerate(queues) if q]))
+            item = queues[i].pop(0)
+            if item[0] == "plan":
+                self._divert_outs(item[1], self.servers[item[1]].on_scheduler(
+                    Header(MsgType.PLAN), body), None, peers)
+            elif item[0] == "peer":
+                _, to, frm, h, payload = item
+                self._divert_outs(to, self.servers[to].on_request(b"peer%d" % frm, h, payload),
+                                  None, peers)
+            elif item[0] == "reply":
+                _, to, frm, h, _ = item
+                self._divert_outs(to, self.servers[to].on_peer_reply(frm, h), None, peers)
+            else:
+                _, to, h, payload = item
+                self._divert_outs(to, self.servers[to].on_request(worker(h.sender), h, payload),
+                                  h, peers)
+        assert len(self.reports) == self.SERVERS, self.reports
+        assert not any(k for k, _ in self.servers[slow].slots), "the slow server holds nothing"
+        self.table = new
+        self.acked = {}
+        event("diverted a server at round %s, %s" % (
+            min(3, max(self.pushed.values())) if max(self.pushed.values()) < 3 else "3+",
+            "pulls waiting" if self.waiting else "no pull waiting"))
+
+    @invariant()
+    def each_slice_is_updated_once_per_completed_round(self):
+        for s in self.servers:
+            for slot in s.slots.values():
+                assert counts(s).get(slot.index, 0) == slot.applied, (s.rank, slot.key)
+
+
+def x_len(table, key, offset):
+    return next(x.length for x in table[key] if x.offset == offset)
+
+
 FAST = settings(max_examples=25, stateful_step_count=25, deadline=None)
 
 TestAnyInterleavingOfThreeWorkersGivesTheRoundSums = ThreeWorkers.TestCase
@@ -1370,12 +1490,16 @@ TestAnyInterleavingWithReplansBetweenTwoServersGivesTheRoundSums = Migrating.Tes
 TestAnyInterleavingWithReplansMovesOptimizerStateAndCounts = MigratingWithOptimizer.TestCase
 TestAnyInterleavingWithReplansMovesDiskTablesWithTheirState = MigratingOnDisk.TestCase
 TestAnyInterleavingWithALostServerGivesTheReferenceWeights = FailingOver.TestCase
-for _case in (TestAnyInterleavingWithALostServerGivesTheReferenceWeights,TestAnyInterleavingOfThreeWorkersGivesTheRoundSums,
+TestAnyInterleavingWithADivertedServerGivesTheReferenceWeights = Diverting.TestCase
+for _case in (TestAnyInterleavingWithALostServerGivesTheReferenceWeights,
+              TestAnyInterleavingWithADivertedServerGivesTheReferenceWeights,TestAnyInterleavingOfThreeWorkersGivesTheRoundSums,
               TestAnyInterleavingWithTheOptimizerOnTheServerGivesTheReferenceWeights,
               TestAnyInterleavingWithReplansBetweenTwoServersGivesTheRoundSums,
               TestAnyInterleavingWithReplansMovesOptimizerStateAndCounts,
               TestAnyInterleavingWithReplansMovesDiskTablesWithTheirState):
     _case.settings = FAST
+TestAnyInterleavingWithADivertedServerGivesTheReferenceWeights.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None)
 
 
 # --- divert: a slow server's slices leave it inside the round (MXPS_DIVERT) -----------------

@@ -646,10 +646,10 @@ class MXPS(KVStoreBase):
                                                          if self._cfg.failover else
                                                          "MXPS_DIVERT"))
 
-    def _failover(self, version, dead, divert=False, rates=None):
+    def _failover(self, version, dead, divert=False, avoid=()):
         """Server ``dead`` is lost (the I/O thread, at the scheduler's FAILOVER), or slow
-        (``divert``, MXPS_DIVERT): the plan of ``version`` puts its slices on the others
-        (``Plan.without``).  Returns (the old table, the new one, {(key, offset): (successor,
+        (``divert``, MXPS_DIVERT): the plan of ``version`` puts its slices on the others but
+        ``avoid`` (servers found slow earlier) (``Plan.without``).  Returns (the old table, the new one, {(key, offset): (successor,
         length)})."""
         if self._optimizer is None:
             self._client.link.fail(
@@ -658,8 +658,8 @@ class MXPS(KVStoreBase):
                 "set_optimizer); with the update on the workers the servers hold only each "
                 "round's sum" % (dead, "slow" if divert else "lost"))
         old = self._plan.table()
-        self._plan, moved = self._plan.without(version, [dead], buddies=self._cfg.replica,
-                                               alive=divert, rates=rates)
+        self._plan, moved = self._plan.without(version, [dead, *avoid],
+                                               buddies=self._cfg.replica, alive=divert)
         for k in list(self._keys.values()):
             k.slices = self._plan.slices(k.id, k.size)
         if self._trace_plans is not None:

@@ -19,12 +19,10 @@ def buddy(server, lost, num_servers):
     raise ValueError("no server survives: servers %s are lost" % sorted(lost))
 
 
-def successors(table, lost, num_servers, buddies=False, rates=None):
+def successors(table, lost, num_servers, buddies=False):
     """(the table with every slice of a server in ``lost`` on a survivor, {(key, offset):
     successor} for the slices that moved).  With ``buddies`` (MXPS_REPLICA) a lost slice goes
-    to the lost server's buddy, which holds its optimizer state.  With ``rates`` (bytes/s per
-    server, MXPS_DIVERT: a slow server's slices) each slice goes to the survivor that would
-    finish its elements soonest at its rate, so a slow survivor takes little."""
+    to the lost server's buddy, which holds its optimizer state."""
     alive = [s for s in range(num_servers) if s not in lost]
     if not alive:
         raise ValueError("no server survives: servers %s are lost" % sorted(lost))
@@ -40,8 +38,6 @@ def successors(table, lost, num_servers, buddies=False, rates=None):
             if x.server in lost:
                 if buddies:
                     to = buddy(x.server, lost, num_servers)
-                elif rates:
-                    to = min(alive, key=lambda s: ((load[s] + x.length) / rates[s], s))
                 else:
                     to = min(alive, key=lambda s: (load[s], s))
                 load[to] += x.length

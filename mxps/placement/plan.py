@@ -144,14 +144,13 @@ class Plan:
                 new._sizes[key] = self._sizes[key]
         return new
 
-    def without(self, version, lost, buddies=False, alive=False, rates=None):
+    def without(self, version, lost, buddies=False, alive=False):
         """The plan of ``version`` after ``lost`` (server ranks) are gone, and {(key,
         offset): successor} of the slices that moved (``placement.failover``; ``buddies``:
         to each lost server's buddy, MXPS_REPLICA).  ``alive`` (MXPS_DIVERT): the servers
-        are slow, not gone; they hold nothing now, and later plans may place on them (their
-        slices go by ``rates``, ``placement.failover.successors``)."""
+        are slow, not gone; they hold nothing now, and later plans may place on them."""
         gone = self.lost | frozenset(lost)
-        table, moved = successors(self._table, gone, self.num_servers, buddies, rates)
+        table, moved = successors(self._table, gone, self.num_servers, buddies)
         new = Plan(self.num_servers, version, table, self.bigarray_bound, self._rule)
         new.lost = self.lost if alive else gone
         return new, moved

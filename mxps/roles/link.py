@@ -129,10 +129,10 @@ def parse_failover(payload):
             raise wire.WireError("FAILOVER: %s %r" % (name, body[name]))
     if not isinstance(body.get("divert", False), bool):
         raise wire.WireError("FAILOVER: divert %r is not a boolean" % (body["divert"],))
-    rates = body.get("rates")
-    if rates is not None and not (isinstance(rates, list) and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in rates)):
-        raise wire.WireError("FAILOVER: rates %.80r are not positive numbers" % (rates,))
+    avoid = body.get("avoid", [])
+    if not isinstance(avoid, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in avoid):
+        raise wire.WireError("FAILOVER: avoid %.80r is not a list of server ranks" % (avoid,))
     return body
 
 

@@ -178,8 +178,8 @@ def read_plan(payload, num_servers, current):
                         % version, version)
     diverted = body.get("diverted") or []
     if not isinstance(diverted, list) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < num_servers
-            for x in diverted) or (diverted and abandon is not None):
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 and (
+                num_servers is None or x < num_servers) for x in diverted) or (diverted and abandon is not None):
         raise PlanError("plan %d: diverted is not a list of server ranks" % version, version)
     for key, slices in new.items():
         if any(x.server in diverted for x in slices):

@@ -163,9 +163,9 @@ class Rerouting:
         while self.link.failovers:
             body = self.link.failovers.pop(0)
             self._fail_over(body["version"], body["dead"], body.get("divert", False),
-                            body.get("rates"))
+                            body.get("avoid", ()))
 
-    def _fail_over(self, version, dead, divert=False, rates=None):
+    def _fail_over(self, version, dead, divert=False, avoid=()):
         """Server ``dead`` is lost, or (``divert``, MXPS_DIVERT) alive and slow: its slices
         go to successors now, inside the round.  A slow server keeps its control requests
         (it will answer them); its data requests go to the successors as a lost one's do,
@@ -178,7 +178,7 @@ class Rerouting:
         if not 0 <= dead < len(self.servers):
             self.link.fail("the scheduler named server %d lost; the job has %d"
                            % (dead, len(self.servers)))
-        old, new, moved = self.on_failover(version, dead, divert, rates)
+        old, new, moved = self.on_failover(version, dead, divert, avoid)
         if divert:
             self.diverted[dead] = version
             self._moved_ids.clear()     # an earlier divert's: long answered or never will be

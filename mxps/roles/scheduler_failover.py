@@ -198,8 +198,8 @@ class Failover:
         # a forced report (MXPS_DIVERT_FORCE) counts alone
         agreed = len(seen) >= min(2, len(self._live_workers())) or forced
         if not self.cfg.divert or target is None or self.pending_plan is not None or \
-                self.replan_reports or self.failovers or len(self._servers()) < 2 or \
-                server in self.diverted_now or not agreed:
+                self.replan_reports or self.failovers or server in self.diverted_now or \
+                len(self._servers()) - len(self.diverted_now) < 2 or not agreed:
             log.info("%s reports server %d slow in round %d (%.2fx); not moved now",
                      node.describe(), server, round_, ratio)
             return
@@ -222,11 +222,12 @@ class Failover:
         log.warning("%s reports server %d's acknowledgements at %.2fx of their rate in round "
                     "%d: its slices go to the other servers inside the round (MXPS_DIVERT, "
                     "plan %d)", node.describe(), server, ratio, round_, self.plan_version)
-        rates = self.replanner.rates
-        body = {"version": self.plan_version, "dead": server, "divert": True}
-        if rates and all(r and r > 0 for r in rates):
-            body["rates"] = [float(r) for r in rates]    # the successors by rate
-        body = json.dumps(body).encode()
+        # the successors: as a failover's (whole slices, by elements), on the servers not found
+        # slow since the last point.  Not by the planner's rates: a server with a small share
+        # measures what it delivered, not what its link can (docs/REPLAN.md), so right after
+        # the slow link moved the server it left looks as slow as it was
+        body = json.dumps({"version": self.plan_version, "dead": server, "divert": True,
+                           "avoid": sorted(self.diverted_now - {server})}).encode()
         for w in self._live_workers():
             self._send(w, MsgType.FAILOVER, body, plan_version=self.plan_version)
         self._step.facts = self.facts()
