@@ -360,3 +360,14 @@ def test_replan_gain_refuses_a_negative_cost_naming_it():
     with pytest.raises(ValueError, match="move_cost_s_per_byte"):
         replan_gain(t, t, [1.0], -1.0)
 
+
+
+def test_a_diverted_server_is_planned_at_its_rate_before_the_change_times_the_fall():
+    # MXPS_DIVERT: a point already saw half of the change (26 of 80 MB/s); the worker saw the
+    # server's ACKs at 0.25 of its last rounds': 80 x 0.25 = 20, not 26 x 0.25
+    r = Replanner(3, 2, rates=[80e6, 80e6, 80e6])
+    r.recent.extend([[80e6, 80e6, 80e6], [80e6, 80e6, 26e6]])
+    r.rates = [80e6, 80e6, 26e6]
+    r.diverted(2, 0.25)
+    assert r.rates == [80e6, 80e6, 20e6]
+    assert list(r.window) == [[80e6, 80e6, 20e6]]

@@ -21,7 +21,7 @@ def history(w, rates, rounds=3):
     return t
 
 
-def test_a_server_four_times_slower_than_before_relative_to_the_others_is_reported_once():
+def test_a_server_four_times_slower_than_before_while_the_others_are_not_is_reported_once():
     w = SlowWatch(3)
     t = history(w, [10e6, 10e6, 3e6])        # server 2 was slow already: its own reference
     t = feed(w, [10e6, 2.5e6, 3e6], 4, t + 0.1, 1.0)
@@ -64,3 +64,10 @@ def test_a_server_that_stops_answering_is_slow_and_one_diverted_needs_new_histor
     w.forget(1)
     t = feed(w, [10e6, 1e6], 5, t, 1.0)
     assert w.slow(t) == [], "its history is of the link it had"
+
+
+def test_when_the_slow_link_leaves_a_server_the_others_do_not_look_slow_beside_it():
+    w = SlowWatch(3)
+    t = history(w, [2.5e6, 10e6, 10e6])
+    t = feed(w, [10e6, 10e6, 10e6], 4, t + 0.1, 1.0)
+    assert w.slow(t) == []

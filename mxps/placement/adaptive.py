@@ -230,6 +230,7 @@ class Replanner:
         self.num_workers = num_workers
         self.rates = list(rates) if rates else None
         self.window = collections.deque(maxlen=window)
+        self.recent = collections.deque(maxlen=3)     # the estimates of the last points
         self.last = None        # (makespan before, after, move cost, adopted) of the last decide
         self.copies = self.COPIES
 
@@ -240,12 +241,16 @@ class Replanner:
             self.copies = sent / float(planned)
 
     def diverted(self, server, ratio):
-        """Server ``server``'s link slowed to ``ratio`` of its rate inside a round, and its
-        slices left it (MXPS_DIVERT): plan with that rate from now on (it holds nothing to be
-        timed by until the next plan gives it a share)."""
+        """Server ``server``'s link slowed to ``ratio`` of its rate of the last rounds inside a
+        round, and its slices left it (MXPS_DIVERT): plan with that rate from now on (it holds
+        nothing to be timed by until a plan gives it a share).  The rate of the last rounds
+        is the highest estimate of the last three points (a point may have seen the change's
+        first half already and lowered it)."""
         if not self.rates:
             return
-        self.rates[server] = self.rates[server] * max(ratio, 0.01)
+        before = max([r[server] for r in self.recent if r and r[server]] or
+                     [self.rates[server]])
+        self.rates[server] = min(self.rates[server], before * max(ratio, 0.01))
         self.window.clear()
         self.window.append(list(self.rates))
 
@@ -277,6 +282,7 @@ class Replanner:
         known = [x for x in est if x]
         if known:
             self.rates = [x if x else min(known) for x in est]
+            self.recent.append(list(self.rates))
         return self.rates
 
     #: one round this far off the estimate before it is a change of the link, at once

@@ -26,8 +26,8 @@ A *divert* (MXPS_DIVERT, docs/REPLAN.md) is the same move for a server that is a
 slow: a worker reports its acknowledgements slowed down inside a round (``_on_slow``), and
 the scheduler sends every worker FAILOVER {version, dead, divert}; the server stays in the job
 and gets a PLAN too, sending the successors its slices' optimizer state only.  At most one
-divert per server between two re-plan points, none while a plan moves state or a worker waits
-at a point; the next point re-plans with the slow rate the worker measured.
+divert of a server until a plan gives it slices again, none while a plan moves state or a
+worker waits at a point; the next point re-plans with the slow rate the worker measured.
 """
 import dataclasses
 import json
@@ -198,8 +198,8 @@ class Failover:
         # a forced report (MXPS_DIVERT_FORCE) counts alone
         agreed = len(seen) >= min(2, len(self._live_workers())) or forced
         if not self.cfg.divert or target is None or self.pending_plan is not None or \
-                self.replan_reports or self.failovers or server in self.diverted_now or \
-                len(self._servers()) - len(self.diverted_now) < 2 or not agreed:
+                self.replan_reports or self.failovers or server in self.slow_idle or \
+                len(self._servers()) - len(self.slow_idle) < 2 or not agreed:
             log.info("%s reports server %d slow in round %d (%.2fx); not moved now",
                      node.describe(), server, round_, ratio)
             return
@@ -209,7 +209,6 @@ class Failover:
                   "detected_at": round(self._now - self.started_at, 6), "in_place_at": None,
                   "slices": 0}
         self.diverts.append(record)
-        self.diverted_now.add(server)
         self.pending_plan = {"version": self.plan_version, "table": None, "acks": set(),
                              "planned": 0, "moved": 0, "sent": 0, "round": None,
                              "full_next": False, "released": True, "divert": record,
@@ -222,12 +221,13 @@ class Failover:
         log.warning("%s reports server %d's acknowledgements at %.2fx of their rate in round "
                     "%d: its slices go to the other servers inside the round (MXPS_DIVERT, "
                     "plan %d)", node.describe(), server, ratio, round_, self.plan_version)
-        # the successors: as a failover's (whole slices, by elements), on the servers not found
-        # slow since the last point.  Not by the planner's rates: a server with a small share
+        # the successors: as a failover's (whole slices, by elements), on the servers but those
+        # diverted before and given nothing since.  Not by the planner's rates: a server with a small share
         # measures what it delivered, not what its link can (docs/REPLAN.md), so right after
         # the slow link moved the server it left looks as slow as it was
         body = json.dumps({"version": self.plan_version, "dead": server, "divert": True,
-                           "avoid": sorted(self.diverted_now - {server})}).encode()
+                           "avoid": sorted(self.slow_idle)}).encode()
+        self.slow_idle.add(server)
         for w in self._live_workers():
             self._send(w, MsgType.FAILOVER, body, plan_version=self.plan_version)
         self._step.facts = self.facts()

@@ -265,7 +265,7 @@ class SchedulerState(Failover):
         self.points = []           # the job facts' "replan_points"
         self.failovers = []        # the job facts' "failovers" (MXPS_FAILOVER)
         self.diverts = []          # the job facts' "diverts" (MXPS_DIVERT)
-        self.diverted_now = set()  # servers diverted since the last point
+        self.slow_idle = set()     # servers diverted that no plan has given a slice since
         self.slow_reports = {}     # (server, round) -> workers that reported it slow
         self.divert_table = None   # the table after the last divert, until the next point
         self.resume_round = None   # a resumed store's round, agreed at the start
@@ -633,7 +633,6 @@ class SchedulerState(Failover):
         if self.pending_plan is not None:
             return      # overlapped: the last plan's state is still moving; its acks call back
         reports, self.replan_reports = self.replan_reports, {}
-        self.diverted_now = set()
         point = self._agreed_point(reports)
         if point is None:
             return
@@ -669,6 +668,12 @@ class SchedulerState(Failover):
         if self.divert_table is not None:
             # a divert since the last point: a worker may have reported the table before it
             old, self.divert_table = self.divert_table, None
+            if skip and not any(r not in skip for rep in reports.values()
+                                for r in rep.get("traffic", {})):
+                # MXPS_DIVERT: the only round since the last point was the diverted one, not
+                # timed; the rates are those from before the link moved (the server the slow
+                # link left still looks slow): decide at the next point, on the divert's plan
+                return None, old, True
         if self.failovers:
             # the planner places on every server of the job: after a failover the
             # successor table stays (docs/FAILOVER.md)
@@ -818,6 +823,7 @@ class SchedulerState(Failover):
             self._maybe_replan()
             return
         p["moved"] = p["sent"]
+        self.slow_idle -= {x.server for slices in p["table"].values() for x in slices}
         self.replanner.moved(p["planned"], p["sent"])
         log.info("plan %d in place (round %d, %d bytes of weights changed server, %d bytes "
                  "sent)", p["version"], p["round"], p["planned"], p["sent"])

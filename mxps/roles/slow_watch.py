@@ -5,11 +5,13 @@ unacknowledged; while more wait behind the window (a *backlog*), each ACK releas
 push, so the rate at which ACKs come is the rate the path to that server delivers this
 worker's gradients.  ``SlowWatch`` keeps, per server, that rate over the backlogged time of
 each of the last rounds, and over the last ``WINDOW`` seconds of the present backlog (a
-server that stops answering measures 0).  Rates are compared *between servers*: a server is
-*slow* when its present rate relative to the other backlogged servers' present rates fell
-to under 1/``FACTOR`` of what it was relative to theirs in the last rounds.  What slows every
-server alike (this worker's own link or CPU, a busier machine, every server's larger share
-after a re-plan) moves nothing; a server can be judged only while another one is.
+server that stops answering measures 0).  A server is *slow* when its present rate fell
+under 1/``FACTOR`` of its last rounds' while the other backlogged servers of this worker kept
+theirs (their median within 1/``OTHERS``): what slows every server alike (this worker's own
+link or CPU, a busier machine) moves nothing, and a server can be judged only while another
+one is.  Rates are compared with each server's own past, not with the other servers' present:
+when the slow link moves from one server to another, the server it left speeds up, and next
+to it every other server would look slower.
 
 The worker reports a slow server to the scheduler (``MsgType.SLOW``), which may move that
 server's slices to the others inside the round (``roles.reroute``).  One round of history is
@@ -26,6 +28,7 @@ class SlowWatch:
                         # stalls for tenths of a second on this 2-core machine; a link that
                         # changed stays changed)
     FACTOR = 3.0        # this much slower than the server's last rounds: slow
+    OTHERS = 1.5        # ... while the others (their median) slowed by less than this
     ROUNDS = 3          # rounds of history per server (their median is the reference)
     MIN_BUSY = 0.05     # a round with less backlogged time than this is not history
 
@@ -89,20 +92,21 @@ class SlowWatch:
 
     def slow(self, now):
         """[(server, ratio)] of the servers slow now and not yet reported this round: those
-        whose rate, relative to the other judged servers' now, fell to under 1/FACTOR of what
-        it was relative to theirs in the last rounds (``ratio``: that fall)."""
-        rates = {s: self.rate(s, now) for s in range(len(self.since))}
-        judged = {s: r for s, r in rates.items() if r is not None}
-        ref = {s: statistics.median(self.history[s]) for s in judged}
+        whose present rate fell under 1/FACTOR of their last rounds' (``ratio``: present over
+        past), while the other servers judged now kept (the median of theirs) at least
+        1/OTHERS of theirs."""
+        change = {}
+        for s in range(len(self.since)):
+            r = self.rate(s, now)
+            if r is not None:
+                change[s] = r / statistics.median(self.history[s])
         out = []
-        for s, r in judged.items():
-            others = [o for o in judged if o != s]
-            if not others or self.reported.get(s) == self.round[s]:
+        for s, c in change.items():
+            others = [x for o, x in change.items() if o != s]
+            if c * self.FACTOR >= 1 or not others or \
+                    statistics.median(others) * self.OTHERS < 1 or \
+                    self.reported.get(s) == self.round[s]:
                 continue
-            now_rel = r / max(statistics.median(judged[o] for o in others), 1e-9)
-            ref_rel = ref[s] / statistics.median(ref[o] for o in others)
-            ratio = now_rel / ref_rel
-            if ratio * self.FACTOR < 1:
-                self.reported[s] = self.round[s]
-                out.append((s, ratio))
+            self.reported[s] = self.round[s]
+            out.append((s, c))
         return out
