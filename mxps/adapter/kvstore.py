@@ -658,6 +658,8 @@ class MXPS(KVStoreBase):
                 "set_optimizer); with the update on the workers the servers hold only each "
                 "round's sum" % (dead, "slow" if divert else "lost"))
         old = self._plan.table()
+        if self._trace is not None:
+            self._point("divert" if divert else "failover", self._round, version)
         self._plan, moved = self._plan.without(version, [dead, *avoid],
                                                buddies=self._cfg.replica, alive=divert)
         for k in list(self._keys.values()):

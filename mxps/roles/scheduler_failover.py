@@ -54,7 +54,8 @@ class Failover:
             self._abort("lost %s: %s, while plan %d moved state; a failover during %s is not "
                         "supported (MXPS_FAILOVER)" % (
                             node.describe(), why, p["version"], "a failover" if "failover"
-                            in p else "an overlapped move"))
+                            in p else "a divert (MXPS_DIVERT)" if "divert" in p else
+                            "an overlapped move"))
             return
         if len(self._servers()) < 2:
             self._abort("lost %s: %s; no server is left to take its keys"
