@@ -1289,6 +1289,52 @@ class FailingOver(Cluster):
             else:
                 self._receive(server, request, [o])
 
+    def _moved_on(self, new, what):
+        """The successor table is in force: later requests go by it."""
+        self.table = new
+        self.acked = {}
+        event("%s a server at round %s, %s" % (
+            what, min(3, max(self.pushed.values())) if max(self.pushed.values()) < 3 else "3+",
+            "pulls waiting" if self.waiting else "no pull waiting"))
+
+    def _sent_again(self, w, gone, old, moved):
+        """What worker ``w`` sends after server ``gone`` left its slices (``roles.reroute``):
+        a SEED of every moved slice (its last pulled copy and round, or none), then every
+        request ``gone`` left unanswered and every push it acknowledged of a round ``w`` has
+        not pulled back, to the successor (``RESENT``)."""
+        lengths = {(k, x.offset): x.length for k, xs in old.items() for x in xs}
+        q = []
+        for (k, off), to in sorted(moved.items()):
+            got = self.held.get((w, k, off))
+            if got is None:
+                h = Header(MsgType.SEED, key=k, sender=w, iteration=0,
+                           plan_version=self.version, offset=off, length=lengths[k, off],
+                           request_id=next(_ids), dtype=NO_DTYPE)
+                q.append(("msg", to, h, None))
+            else:
+                h, v = request(MsgType.SEED, k, w=w, it=got[0], offset=off,
+                               value=got[1], version=self.version)
+                q.append(("msg", to, h, v))
+        for rid, (ww, h, payload) in list(self.waiting.items()):
+            if ww == w and (h.key, h.offset) in moved and \
+                    self.pending.get((w, h.key), {}).get(rid, (0, -1))[1] == gone:
+                to = moved[(h.key, h.offset)]
+                r, _, off = self.pending[(w, h.key)][rid]
+                self.pending[(w, h.key)][rid] = (r, to, off)
+                h.plan_version = self.version
+                if h.type == MsgType.PUSHPULL:
+                    h.flags |= 0x40
+                q.append(("msg", to, h, payload))
+        for (ww, k, off), pushes in self.acked.items():
+            if ww == w and (k, off) in moved:
+                for h, payload in pushes:
+                    if h.type != MsgType.PUSH:
+                        continue        # a PUSHPULL unanswered is sent again above
+                    h.plan_version = self.version
+                    h.flags |= 0x40
+                    q.append(("msg", moved[(k, off)], h, payload))
+        return q
+
     @precondition(lambda self: not self.lost)
     @rule(data=st.data())
     def lose_a_server(self, data):
@@ -1301,42 +1347,11 @@ class FailingOver(Cluster):
         self.reports = []
         body = json.dumps({"version": self.version, "old": table_to_json(old),
                            "new": table_to_json(new), "lost": [dead]}).encode()
-        lengths = {(k, x.offset): x.length for k, xs in old.items() for x in xs}
         # each worker's messages in its own order; the workers' interleaved as drawn, with the
         # PLANs to the survivors anywhere among them
         queues = [[("plan", s) for s in range(self.SERVERS) if s != dead]]
         for w in range(self.WORKERS):
-            q = []
-            for (k, off), to in sorted(moved.items()):
-                got = self.held.get((w, k, off))
-                if got is None:
-                    h = Header(MsgType.SEED, key=k, sender=w, iteration=0,
-                               plan_version=self.version, offset=off, length=lengths[k, off],
-                               request_id=next(_ids), dtype=NO_DTYPE)
-                    q.append(("msg", to, h, None))
-                else:
-                    h, v = request(MsgType.SEED, k, w=w, it=got[0], offset=off,
-                                   value=got[1], version=self.version)
-                    q.append(("msg", to, h, v))
-            for rid, (ww, h, payload) in list(self.waiting.items()):
-                if ww == w and (h.key, h.offset) in moved and \
-                        self.pending.get((w, h.key), {}).get(rid, (0, -1))[1] == dead:
-                    to = moved[(h.key, h.offset)]
-                    r, _, off = self.pending[(w, h.key)][rid]
-                    self.pending[(w, h.key)][rid] = (r, to, off)
-                    h.plan_version = self.version
-                    if h.type == MsgType.PUSHPULL:
-                        h.flags |= 0x40
-                    q.append(("msg", to, h, payload))
-            for (ww, k, off), pushes in self.acked.items():
-                if ww == w and (k, off) in moved:
-                    for h, payload in pushes:
-                        if h.type != MsgType.PUSH:
-                            continue        # a PUSHPULL unanswered is sent again above
-                        h.plan_version = self.version
-                        h.flags |= 0x40
-                        q.append(("msg", moved[(k, off)], h, payload))
-            queues.append(q)
+            queues.append(self._sent_again(w, dead, old, moved))
         while any(queues):
             i = data.draw(st.sampled_from([i for i, q in enumerate(queues) if q]))
             item = queues[i].pop(0)
@@ -1347,11 +1362,7 @@ class FailingOver(Cluster):
                 _, to, h, payload = item
                 self._outs(to, self.servers[to].on_request(worker(h.sender), h, payload), h)
         assert len(self.reports) == self.SERVERS - 1, self.reports
-        self.table = new
-        self.acked = {}
-        event("lost a server at round %s, %s" % (
-            min(3, max(self.pushed.values())) if max(self.pushed.values()) < 3 else "3+",
-            "pulls waiting" if self.waiting else "no pull waiting"))
+        self._moved_on(new, "lost")
 
     @invariant()
     def each_slice_is_updated_once_per_completed_round(self):
@@ -1413,37 +1424,7 @@ class Diverting(FailingOver):
                            "diverted": [slow]}).encode()
         queues = [[("plan", s) for s in range(self.SERVERS)]]
         for w in range(self.WORKERS):
-            q = []
-            for (k, off), to in sorted(moved.items()):
-                got = self.held.get((w, k, off))
-                if got is None:
-                    h = Header(MsgType.SEED, key=k, sender=w, iteration=0,
-                               plan_version=self.version, offset=off, length=x_len(old, k, off),
-                               request_id=next(_ids), dtype=NO_DTYPE)
-                    q.append(("msg", to, h, None))
-                else:
-                    h, v = request(MsgType.SEED, k, w=w, it=got[0], offset=off,
-                                   value=got[1], version=self.version)
-                    q.append(("msg", to, h, v))
-            for rid, (ww, h, payload) in list(self.waiting.items()):
-                if ww == w and (h.key, h.offset) in moved and \
-                        self.pending.get((w, h.key), {}).get(rid, (0, -1))[1] == slow:
-                    to = moved[(h.key, h.offset)]
-                    r, _, off = self.pending[(w, h.key)][rid]
-                    self.pending[(w, h.key)][rid] = (r, to, off)
-                    h.plan_version = self.version
-                    if h.type == MsgType.PUSHPULL:
-                        h.flags |= 0x40
-                    q.append(("msg", to, h, payload))
-            for (ww, k, off), pushes in self.acked.items():
-                if ww == w and (k, off) in moved:
-                    for h, payload in pushes:
-                        if h.type != MsgType.PUSH:
-                            continue
-                        h.plan_version = self.version
-                        h.flags |= 0x40
-                        q.append(("msg", moved[(k, off)], h, payload))
-            queues.append(q)
+            queues.append(self._sent_again(w, slow, old, moved))
         peers = []
         queues.append(peers)
         while any(queues):
@@ -1465,21 +1446,13 @@ class Diverting(FailingOver):
                                   h, peers)
         assert len(self.reports) == self.SERVERS, self.reports
         assert not any(k for k, _ in self.servers[slow].slots), "the slow server holds nothing"
-        self.table = new
-        self.acked = {}
-        event("diverted a server at round %s, %s" % (
-            min(3, max(self.pushed.values())) if max(self.pushed.values()) < 3 else "3+",
-            "pulls waiting" if self.waiting else "no pull waiting"))
+        self._moved_on(new, "diverted")
 
     @invariant()
     def each_slice_is_updated_once_per_completed_round(self):
         for s in self.servers:
             for slot in s.slots.values():
                 assert counts(s).get(slot.index, 0) == slot.applied, (s.rank, slot.key)
-
-
-def x_len(table, key, offset):
-    return next(x.length for x in table[key] if x.offset == offset)
 
 
 FAST = settings(max_examples=25, stateful_step_count=25, deadline=None)
