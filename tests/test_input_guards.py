@@ -51,7 +51,7 @@ def on_gpu(shape=(4,)):
 def bare_kvstore(keys=(), optimizer=None):
     """An mxps kvstore that never joined a job (no connection, one server's plan)."""
     kv = MXPS.__new__(MXPS)
-    kv._cfg = types.SimpleNamespace(failover=False)
+    kv._cfg = types.SimpleNamespace(failover=False, divert=False)
     kv._keys, kv._str_ids, kv._ids = {}, {}, {}
     kv._optimizer = optimizer
     kv._compression = None
@@ -264,7 +264,7 @@ def test_with_failover_a_push_with_the_update_on_the_workers_is_refused_before_i
     # MXPS_FAILOVER rebuilds a lost slice from the weights the workers pulled; with the update
     # on the workers the servers hold round sums the workers overwrite
     kv = staging_kvstore()
-    kv._cfg = types.SimpleNamespace(failover=True)
+    kv._cfg = types.SimpleNamespace(failover=True, divert=False)
     served = Served(kv, 0.0)
     with pytest.raises(ValueError, match="push of key 'w': MXPS_FAILOVER=1 needs the "
                                          "optimizer on the servers"):

@@ -631,6 +631,9 @@ def test_the_receiver_hands_over_counts_drops_and_acks_the_same_on_either(socks,
             return b"".join(bytes(b) for b in pk.encode(tagger, pk.DATA, w, dtype, pn, 3, 0, 1,
                                                         0, 1000, pn, n, body))
         good0 = data(t0, 0, 5, 10)
+        bad_tag = bytearray(data(t0, 0, 8, 5))
+        bad_tag[-1] ^= 1        # (setting it to 0 left it as it was once in 256 keys)
+        bad_tag = bytes(bad_tag)
         flipped = bytearray(good0)
         flipped[60] ^= 4
         sends = [(w0, good0), (w1, data(t1, 1, 0, 351)), (stranger, data(t0, 0, 6, 3)),
@@ -638,7 +641,7 @@ def test_the_receiver_hands_over_counts_drops_and_acks_the_same_on_either(socks,
                  (w0, data(t0, 2, 1, 2)), (w0, b"XX" + good0[2:]), (w0, data(t0, 0, 7, 1)),
                  (w1, b"".join(bytes(b) for b in pk.encode(t1, pk.END, 1, F32, 2, 3, 0, 1, 0,
                                                            1000, 1, 0))),
-                 (w0, data(t0, 0, 8, 5)[:-1] + b"\x00")]
+                 (w0, bad_tag)]
         for s, dgram in sends:
             s.sendto(dgram, (LOOP, rx.port))
         handed = []
