@@ -293,10 +293,10 @@ class Rerouting:
 
     def _report_slow(self, server, rnd, ratio, forced=False):
         """Tell the scheduler server ``server`` slowed down in round ``rnd`` to ``ratio`` of its
-        rate relative to the other servers (MXPS_DIVERT); it decides whether its slices move.
-        ``forced``: MXPS_DIVERT_FORCE's report (tests)."""
-        log.info("worker %d: server %d's acknowledgements at %.2fx of their rate relative to "
-                 "the other servers in round %s", self.rank, server, ratio, rnd)
+        last rounds' rate while the others kept theirs (MXPS_DIVERT); it decides whether its
+        slices move.  ``forced``: MXPS_DIVERT_FORCE's report (tests)."""
+        log.info("worker %d: server %d's acknowledgements at %.2fx of their last rounds' rate "
+                 "in round %s", self.rank, server, ratio, rnd)
         body = {"server": server, "round": int(rnd or 0), "ratio": float(ratio)}
         if forced:
             body["forced"] = True

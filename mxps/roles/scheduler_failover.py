@@ -219,7 +219,7 @@ class Failover:
         self.overlapped.add(round_)
         if not forced:
             self.replanner.diverted(server, ratio)
-        log.warning("%s reports server %d's acknowledgements at %.2fx of their rate in round "
+        log.warning("%s reports server %d's acknowledgements at %.2fx of their last rounds' rate in round "
                     "%d: its slices go to the other servers inside the round (MXPS_DIVERT, "
                     "plan %d)", node.describe(), server, ratio, round_, self.plan_version)
         # the successors: as a failover's (whole slices, by elements), on the servers but those
