@@ -465,19 +465,18 @@ def from_env(env=None, mode=None):
         raise ConfigError("MXPS_FAILOVER=1 needs MXPS_MODE=sync (dist_sync): a successor "
                           "rebuilds a lost slice from the rounds every worker pulled; in %s "
                           "mode workers hold weights of different rounds" % cfg.mode)
-    if cfg.replica and not cfg.failover:
-        raise ConfigError("MXPS_REPLICA=1 keeps the optimizer state for a failover: set "
-                          "MXPS_FAILOVER=1 too")
+    if cfg.replica and not (cfg.failover or cfg.divert):
+        raise ConfigError("MXPS_REPLICA=1 keeps the optimizer state for a failover or a "
+                          "divert: set MXPS_FAILOVER=1 or MXPS_DIVERT=1 too")
     if cfg.failover and cfg.push == "ltp":
         raise ConfigError("MXPS_FAILOVER=1 and MXPS_PUSH=ltp do not go together yet: an LTP "
                           "push to a lost server cannot be sent again (use MXPS_PUSH=tcp)")
     if cfg.divert_force and not cfg.divert:
         raise ConfigError("MXPS_DIVERT_FORCE needs MXPS_DIVERT=1")
-    if cfg.divert and (cfg.mode != "sync" or cfg.push == "ltp" or cfg.replica
-                       or not cfg.replanning):
+    if cfg.divert and (cfg.mode != "sync" or cfg.push == "ltp" or not cfg.replanning):
         raise ConfigError("MXPS_DIVERT=1 re-routes a slow server's round inside the round: it "
-                          "needs MXPS_PLAN=adaptive with re-planning, MXPS_MODE=sync, "
-                          "MXPS_PUSH=tcp and no MXPS_REPLICA")
+                          "needs MXPS_PLAN=adaptive with re-planning, MXPS_MODE=sync and "
+                          "MXPS_PUSH=tcp")
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError("MXPS_HEARTBEAT_TIMEOUT=%s must exceed twice MXPS_HEARTBEAT_INTERVAL=%s"
                           % (cfg.heartbeat_timeout, cfg.heartbeat_interval))

@@ -1581,3 +1581,180 @@ def test_a_worker_seed_that_differs_from_the_slow_servers_weights_is_not_taken()
     assert reports(s0.on_peer_reply(1, only(outs, MsgType.ACK).header)) == [
         {"version": 1, "moved_bytes": 0, "reset": []}]
     np.testing.assert_array_equal(s0.slots[(5, 0)].store.snapshot, want)
+
+
+# --- divert with a replica: the state need not leave the slow server (MXPS_REPLICA) ----------
+
+def replicated_rounds(s, buddy, rounds):
+    """Rounds of key 5 on server ``s`` (MXPS_REPLICA): each round's state to ``buddy``, which
+    acknowledges it, so that the round's pulls may be answered."""
+    for it in rounds:
+        for w in (0, 1):
+            outs = send(s, MsgType.PUSH, 5, w=w, it=it, value=GRADS[it - 1][w],
+                        version=s.plan_version)
+        for rep in [o for o in outs if o.to == Out.PEER]:
+            assert rep.header.type == MsgType.REPLICA and rep.dest == buddy.rank
+            ack = only(buddy.on_request(b"peer%d" % s.rank, rep.header, rep.payload),
+                       MsgType.ACK)
+            s.on_peer_reply(buddy.rank, ack.header)
+
+
+def settle(outs, servers):
+    """Deliver every REPLICA in ``outs`` to its server and its ACK back; the other Outs."""
+    rest = []
+    while outs:
+        o = outs.pop(0)
+        if o.to == Out.PEER and o.header.type == MsgType.REPLICA:
+            sender = o.header.sender
+            ack = only(servers[o.dest].on_request(b"peer%d" % sender, o.header, o.payload),
+                       MsgType.ACK)
+            outs += servers[sender].on_peer_reply(o.dest, ack.header)
+        else:
+            rest.append(o)
+    return rest
+
+
+def divert_with_replica(servers, replica, deliver=True, applied=2):
+    """Server 1 (slow) applied rounds 1 to ``applied`` of key 5 with momentum, its buddy
+    holding their state (``deliver``: else the buddy never got it, though server 1 took its
+    acks), and holds worker 0's next push when it is diverted to server 0.  Returns (alone,
+    s0, s1, buddy, the part server 1 sent)."""
+    opt = sgd(0.9)
+    alone = new_server(optimizer=opt, keys={5: VALUE})
+    push_rounds([(alone, OLD[5][0])], GRADS)
+    s1 = new_server(rank=1, optimizer=opt, keys={5: VALUE}, num_servers=servers,
+                    replica=replica, failover=True)
+    s0 = new_server(rank=0, optimizer=opt, num_servers=servers, replica=replica, failover=True)
+    buddy = s0 if servers == 2 else new_server(rank=2, optimizer=opt, num_servers=servers,
+                                               replica=replica, failover=True)
+    assert s1.buddy() == buddy.rank
+    replicated_rounds(s1, buddy if deliver else new_server(rank=buddy.rank, optimizer=opt,
+                                                           num_servers=servers),
+                      range(1, applied + 1))
+    if applied < len(GRADS):
+        only(send(s1, MsgType.PUSH, 5, w=0, it=applied + 1, value=GRADS[applied][0]),
+             MsgType.ACK)
+    assert divert_plan(s0) == []              # it waits for the slice
+    if buddy is not s0:                        # nothing moves to or from it: in place at once
+        assert [r["version"] for r in reports(divert_plan(buddy))] == [1]
+    part = only(divert_plan(s1), MsgType.MIGRATE)
+    return alone, s0, s1, buddy, part
+
+
+def seeds_then_state(s0, buddy, round_, weights, peers):
+    """Both workers' seeds of the diverted slice (of ``round_``); then, if the buddy is
+    another server, the successor's STATE to it and its answer.  The Outs after the last."""
+    only(divert_seed(s0, 0, round_, weights), MsgType.ACK)
+    outs = settle(divert_seed(s0, 1, round_, weights), peers)
+    if buddy is not s0:
+        ask = only(outs, MsgType.STATE)
+        assert ask.to == Out.PEER and ask.dest == buddy.rank and ask.header.iteration == round_
+        reply = only(buddy.on_request(b"peer0", ask.header, ask.payload), MsgType.DATA)
+        outs = settle(s0.on_peer_reply(buddy.rank, reply.header, reply.payload), peers)
+    return outs
+
+
+def round3_ends_as_alone(s0, alone, peers, resent_from=(0,)):
+    """Round 3 on the successor: worker 0's push (and those in ``resent_from``) sent again,
+    the rest anew; the pull gets the weights of one server that was never diverted."""
+    for w in (0, 1):
+        if w in resent_from:
+            settle(resent_whole(s0, w, 3, GRADS[2][w]), peers)
+        else:
+            settle(send(s0, MsgType.PUSH, 5, w=w, it=3, value=GRADS[2][w], version=1), peers)
+    outs = settle(send(s0, MsgType.PULL, 5, it=3, length=8, version=1), peers)
+    np.testing.assert_allclose(value_of(only(outs, MsgType.DATA)),
+                               alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
+
+
+@pytest.mark.parametrize("servers", [3, 2], ids=["buddy-is-a-third-server",
+                                                 "successor-is-the-buddy"])
+def test_with_a_replica_a_diverted_slice_takes_its_state_from_the_buddy(servers):
+    # MXPS_REPLICA=1 and MXPS_DIVERT: server 1's part carries neither weights nor state; the
+    # successor takes the weights from the workers and the state of their round from the
+    # buddy (a STATE request, or its own replica when it is the buddy), and round 3 ends as
+    # on one server that was never diverted, momentum and all
+    alone, s0, s1, buddy, part = divert_with_replica(servers, replica=1)
+    body = typed.unpack(part.payload)
+    assert "state" not in body and "value" not in body and body["replica"] == 2
+    assert len(bytes(memoryview(part.payload).cast("B"))) < 400
+    only(s0.on_request(b"peer1", part.header, part.payload), MsgType.ACK)
+    peers = {0: s0, 1: s1, 2: buddy}
+    outs = seeds_then_state(s0, buddy, 2, s1.stash[(5, 0)]["value"], peers)
+    assert reports(outs) == [{"version": 1, "moved_bytes": 0, "reset": []}]
+    assert s0.slots[(5, 0)].applied == 2
+    round3_ends_as_alone(s0, alone, peers)
+
+
+@pytest.mark.parametrize("servers", [3, 2], ids=["buddy-is-a-third-server",
+                                                 "successor-is-the-buddy"])
+def test_with_a_replica_a_round_no_worker_pulled_is_summed_again_at_the_successor(servers):
+    # server 1 applied round 3 (both workers' pushes) but its replies are still on the slow
+    # link: the workers hold round 2.  Without a replica the successor would ask server 1
+    # for its weights (VALUE, over the slow link); with one it rebuilds the slice at round 2
+    # from the workers' weights and the buddy's state of round 2, and sums round 3 again from
+    # the pushes the workers send again: nothing crosses the slow link, and round 3 ends
+    # exactly
+    alone, s0, s1, buddy, part = divert_with_replica(servers, replica=1, applied=3)
+    assert typed.unpack(part.payload)["applied"] == 3
+    only(s0.on_request(b"peer1", part.header, part.payload), MsgType.ACK)
+    peers = {0: s0, 1: s1, 2: buddy}
+    round2 = alone_after(2)
+    outs = seeds_then_state(s0, buddy, 2, round2, peers)
+    assert not [o for o in outs if o.header.type == MsgType.VALUE]
+    assert reports(outs) == [{"version": 1, "moved_bytes": 0, "reset": []}]
+    slot = s0.slots[(5, 0)]
+    assert slot.applied == 2 and counts(s0)[slot.index] == 2
+    round3_ends_as_alone(s0, alone, peers, resent_from=(0, 1))
+
+
+def alone_after(rounds):
+    """Key 5's weights on one server after ``rounds`` rounds of GRADS (SGD, momentum 0.9)."""
+    s = new_server(optimizer=sgd(0.9), keys={5: VALUE})
+    push_rounds([(s, OLD[5][0])], GRADS[:rounds])
+    return s.slots[(5, 0)].store.snapshot.copy()
+
+
+def test_a_diverted_slice_whose_replica_the_buddy_lacks_comes_whole_from_the_slow_server():
+    # the buddy answers STATE with an ACK (no replica of that round): the successor asks the
+    # slow server for the slice whole (VALUE), state included, and round 3 ends exactly
+    alone, s0, s1, buddy, part = divert_with_replica(3, replica=1, deliver=False)
+    only(s0.on_request(b"peer1", part.header, part.payload), MsgType.ACK)
+    round2 = s1.stash[(5, 0)]["value"]
+    only(divert_seed(s0, 0, 2, round2), MsgType.ACK)
+    ask = only(divert_seed(s0, 1, 2, round2), MsgType.STATE)
+    none = only(buddy.on_request(b"peer0", ask.header, ask.payload), MsgType.ACK)
+    value = only(s0.on_peer_reply(2, none.header, none.payload), MsgType.VALUE)
+    outs = s1.on_request(b"peer0", value.header, value.payload)
+    peers = {0: s0, 1: s1, 2: buddy}
+    settle(s0.on_request(b"peer1", only(outs, MsgType.MIGRATE).header,
+                         only(outs, MsgType.MIGRATE).payload), peers)
+    assert reports(settle(s0.on_peer_reply(1, only(outs, MsgType.ACK).header), peers)) == [
+        {"version": 1, "moved_bytes": 0, "reset": []}]
+    round3_ends_as_alone(s0, alone, peers)
+
+
+def test_with_a_lazy_replica_a_diverted_slice_takes_stale_state_and_the_job_is_told():
+    # MXPS_REPLICA=2: the buddy holds round 2's momentum; server 1 applied round 3 when
+    # diverted: the successor (the buddy) builds the slice with that momentum, one round old,
+    # the count of round 3, and reports the slice as stale
+    opt = sgd(0.9)
+    s1 = new_server(rank=1, optimizer=opt, keys={5: VALUE}, num_servers=2, replica=2,
+                    failover=True)
+    s0 = new_server(rank=0, optimizer=opt, num_servers=2, replica=2, failover=True)
+    replicated_rounds(s1, s0, (1, 2, 3))
+    assert sorted(s0.replicas[(5, 0, 8)]) == [2] and s1.slots[(5, 0)].replicated == 2
+    divert_plan(s0)
+    part = only(divert_plan(s1), MsgType.MIGRATE)
+    assert typed.unpack(part.payload)["replica"] == 2
+    s0.on_request(b"peer1", part.header, part.payload)
+    round3 = s1.stash[(5, 0)]["value"]
+    only(divert_seed(s0, 0, 3, round3), MsgType.ACK)
+    outs = divert_seed(s0, 1, 3, round3)
+    assert reports(outs) == [{"version": 1, "moved_bytes": 0, "reset": [],
+                              "stale": [[5, 0, 8, 1]]}]
+    slot = s0.slots[(5, 0)]
+    assert slot.applied == 3 and counts(s0)[5] == 3
+    np.testing.assert_array_equal(slot.store.snapshot, round3)
+    np.testing.assert_array_equal(
+        s0.updater.states[slot.index].asnumpy(), s0.replicas[(5, 0, 8)][2][0])

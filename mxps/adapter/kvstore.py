@@ -660,8 +660,11 @@ class MXPS(KVStoreBase):
         old = self._plan.table()
         if self._trace is not None:
             self._point("divert" if divert else "failover", self._round, version)
+        # a lost server's slices go to its buddy, which holds their state (MXPS_REPLICA); a
+        # slow one's are spread by elements, each successor asking the buddy for the state
         self._plan, moved = self._plan.without(version, [dead, *avoid],
-                                               buddies=self._cfg.replica, alive=divert)
+                                               buddies=self._cfg.replica and not divert,
+                                               alive=divert)
         for k in list(self._keys.values()):
             k.slices = self._plan.slices(k.id, k.size)
         if self._trace_plans is not None:

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 
 from ..kernels.ndview import join_state
-from ..placement import plan
+from ..placement import failover, plan
 from ..wire import compression, frame as wire, typed
 from ..wire.frame import MsgType
 from .optimizer_states import update_counts
@@ -26,7 +26,7 @@ log = logging.getLogger("mxps.server")
 class _Incoming:
     """A new slice this server is assembling: the parts so far, how many remote ones to come."""
 
-    __slots__ = ("slice", "expect", "parts", "lost", "source", "asked")
+    __slots__ = ("slice", "expect", "parts", "lost", "source", "asked", "replica")
 
     def __init__(self, slice_, expect):
         self.slice = slice_
@@ -39,6 +39,9 @@ class _Incoming:
         # part without weights), and whether its weights were asked of it (``VALUE``)
         self.source = None
         self.asked = False
+        # MXPS_DIVERT with MXPS_REPLICA: the state is the replica on the slow server's buddy;
+        # None (not so), "asked" (``STATE`` sent to the buddy), "in", or "missing"
+        self.replica = None
 
 
 class _Migration:
@@ -54,6 +57,7 @@ class _Migration:
         self.seeds = seeds or {}
         self.seeded = {}          # (key, offset) -> (weights a worker sent, worker)
         self.outgoing = {}        # request id -> destination server
+        self.state_asks = {}      # MXPS_DIVERT: STATE request id -> (key, offset, round)
         self.incoming = {}        # key -> _Incoming
         self.next_id = 0
         self.moved = 0
@@ -71,9 +75,9 @@ def read_part(h, payload):
     against its header before the server uses any of it."""
     what = "MIGRATE part of key %d" % h.key
     part = fields(typed.unpack(payload), what, _PART_NEEDS,
-                  ("value", "state", "count", "cols", "seeded", "crc", "diverted"))
+                  ("value", "state", "count", "cols", "seeded", "crc", "diverted", "replica"))
     for f in ("key", "target", "offset", "length", "applied", "count", "cols", "seeded", "crc",
-              "diverted"):
+              "diverted", "replica"):
         if f in part:
             count_field(part[f], "%s: %s" % (what, f))
     if (part["key"], part["offset"], part["length"]) != (h.key, h.offset, h.length):
@@ -364,7 +368,7 @@ class Migrating:
                     if hi > lo or empty:
                         part = self._cut(slot, lo, hi, x.offset)
                         if self.rank in mig.diverted:
-                            part = self._divert_part(part)
+                            part = self._divert_part(part, slot)
                         parts.append((x.server, part))
                 if self.failover:
                     # MXPS_FAILOVER: kept until the next plan, in case this one is rolled back
@@ -643,24 +647,34 @@ class Migrating:
         self._maybe_done(mig)
 
     # -- MXPS_DIVERT: the slow server sends state, the workers the weights ----------------------
-    def _divert_part(self, part):
+    def _divert_part(self, part, slot):
         """On the slow server: a whole slice it gives up, as the part it sends its successor
         (the optimizer state, update count and round, with a checksum of the weights, which the
-        workers send), and its copy kept for a ``VALUE`` (``stash``)."""
+        workers send), and its copy kept for a ``VALUE`` (``stash``).  With MXPS_REPLICA the
+        state stays here too: the part names the newest round whose replica the buddy
+        acknowledged, and the successor asks the buddy for it (``STATE``)."""
         self.stash[(part["key"], part["offset"])] = dict(part)
         value = part.pop("value")
         part["crc"] = zlib.crc32(memoryview(np.ascontiguousarray(value)).cast("B"))
         part["diverted"] = self.rank
+        if self.replica and part.get("state") is not None and slot.replicated > 0 \
+                and slot.replicated <= part["applied"]:
+            del part["state"]
+            part["replica"] = slot.replicated
         return part
 
     def _diverted_part(self, mig, inc, part):
-        """On a successor: the slow server's part of a diverted slice: its state, or (the
-        answer to a ``VALUE``) the whole slice."""
+        """On a successor: the slow server's part of a diverted slice: its state (or, with
+        MXPS_REPLICA, the word that its buddy holds it), or (the answer to a ``VALUE``) the
+        whole slice."""
         if "value" in part:
             if not inc.asked:
                 raise RequestError("plan %d: server %d sent key %d's slice at %d whole, "
                                    "unasked" % (mig.version, inc.source, part["key"],
                                                 part["offset"]))
+            # the whole slice, its own state with it: a stale replica's is not used
+            mig.stale = [x for x in mig.stale if x[:3] != [part["key"], part["offset"],
+                                                           part["length"]]]
             inc.parts = [part]
             self._maybe_install(mig, (part["key"], part["target"]))
             self._maybe_done(mig)
@@ -673,13 +687,20 @@ class Migrating:
         self._resolve_divert(mig, inc)
 
     def _resolve_divert(self, mig, inc):
-        """With the slow server's state and every worker's seed in: the weights are the
+        """With the slow server's part and every worker's seed in: the weights are the
         seeds' if the latest round a worker pulled is the one the state is of and they are
         the slow server's (its checksum); otherwise the slow server is asked for them
         (``VALUE``): no worker pulled that round yet (its replies were still on the slow
         link), or the workers' copy changed since (Gluon's BatchNorm running statistics,
-        pulled once and changed by the forward pass)."""
-        if inc.expect or not inc.parts or len(inc.lost) < self.num_workers or inc.asked:
+        pulled once and changed by the forward pass).
+
+        With MXPS_REPLICA the state is the replica the slow server's buddy holds of the
+        workers' round (``STATE``): when no worker pulled the slow server's last round yet,
+        the slice is rebuilt one round back, from the workers' weights and the buddy's state
+        of that round, and that round is summed again from the pushes the workers send again;
+        nothing crosses the slow link.  A lazy replica's state may be older (``stale``)."""
+        if inc.expect or not inc.parts or len(inc.lost) < self.num_workers or inc.asked \
+                or inc.replica == "asked":
             return
         part = inc.parts[0]
         n = inc.slice
@@ -690,15 +711,21 @@ class Migrating:
                                "server %d applied round %d" % (
                                    mig.version, w, r, part["key"], n.offset, n.length,
                                    inc.source, part["applied"]))
-        why = "no worker pulled round %d yet" % part["applied"]
-        if r == part["applied"]:
-            _, value, dtype = inc.lost[w]
-            if dtype == part["dtype"] and value.size == part["length"] and zlib.crc32(
-                    memoryview(np.ascontiguousarray(value)).cast("B")) == part["crc"]:
-                part["value"] = value
-                self._maybe_install(mig, (part["key"], part["target"]))
-                self._maybe_done(mig)
+        same = r == part["applied"] and self._is_servers(inc.lost[w], part)
+        if "replica" in part and inc.replica is None and w is not None and (
+                same or r == part["applied"] - 1):
+            self._ask_state(mig, inc, r)
+            if inc.replica == "asked":
                 return
+        if inc.replica == "in" or "replica" not in part and same:
+            part["value"] = inc.lost[w][1]
+            self._maybe_install(mig, (part["key"], part["target"]))
+            self._maybe_done(mig)
+            return
+        why = "no worker pulled round %d yet" % part["applied"]
+        if inc.replica == "missing":
+            why = "its buddy holds no replica of its state after round %d" % r
+        elif r == part["applied"]:
             why = "worker %d's copy is not the server's (changed since its pull)" % w
         inc.asked = True
         mig.next_id += 1
@@ -709,6 +736,94 @@ class Migrating:
         self._out.append(Out(Out.PEER, inc.source, h, None))
         log.info("server %d: plan %d: key %d [%d, +%d): %s; its weights asked of server %d",
                  self.rank, mig.version, part["key"], n.offset, n.length, why, inc.source)
+
+    @staticmethod
+    def _is_servers(seed, part):
+        """Whether a worker's seed (round, weights, dtype) is the weights the slow server's
+        part has the checksum of."""
+        _, value, dtype = seed
+        return dtype == part["dtype"] and value.size == part["length"] and zlib.crc32(
+            memoryview(np.ascontiguousarray(value)).cast("B")) == part["crc"]
+
+    # -- MXPS_DIVERT with MXPS_REPLICA: the state from the slow server's buddy ---------------
+    def _ask_state(self, mig, inc, round_):
+        """Ask the slow server's buddy for its replica of the slice's state after ``round_``
+        (``STATE``), or take it here if this server is the buddy."""
+        n = inc.slice
+        holder = failover.buddy(inc.source, self.lost_servers, self.num_servers)
+        if holder == self.rank:
+            self._take_replica(mig, inc, round_, self.newest_replica(
+                inc.parts[0]["key"], n.offset, n.length, round_))
+            return
+        inc.replica = "asked"
+        mig.next_id += 1
+        mig.outgoing[mig.next_id] = holder
+        mig.state_asks[mig.next_id] = (inc.parts[0]["key"], n.offset, round_)
+        h = wire.Header(MsgType.STATE, key=inc.parts[0]["key"], sender=self.rank,
+                        plan_version=mig.version, offset=n.offset, length=n.length,
+                        iteration=round_, request_id=mig.next_id)
+        self._out.append(Out(Out.PEER, holder, h, None))
+
+    def _take_replica(self, mig, inc, round_, kept):
+        """The buddy's replica of a diverted slice's state, (state, count, its round), for the
+        workers' ``round_`` (None: it holds none, and the slow server is asked for the slice
+        whole).  A lazy replica's state may be rounds older: the job facts list the slice
+        (``stale``) and its count goes on from the workers' round."""
+        part, n = inc.parts[0], inc.slice
+        if kept is None or kept[0] is None:
+            inc.replica = "missing"
+            return
+        state, count, kept_round = kept
+        inc.replica = "in"
+        if count is not None:
+            part["count"] = count + (round_ - kept_round)
+        elif "count" in part:
+            part["count"] -= part["applied"] - round_
+        part["state"] = state
+        part["applied"] = round_
+        if round_ > kept_round:
+            mig.stale.append([part["key"], n.offset, n.length, round_ - kept_round])
+
+    def _on_state_reply(self, server_rank, h, payload):
+        """The buddy's answer to a ``STATE``: DATA with {state, count, applied} (typed), or
+        ACK: it keeps none."""
+        mig = self.migration
+        del mig.outgoing[h.request_id]
+        key, offset, round_ = mig.state_asks.pop(h.request_id)
+        inc = mig.incoming.get((key, offset))
+        if inc is None or inc.replica != "asked":
+            raise RequestError("plan %d: server %d sent the state of key %d [%d, ...) unasked"
+                               % (mig.version, server_rank, key, offset))
+        kept = None
+        if h.type == MsgType.DATA:
+            what = "STATE reply of key %d" % key
+            body = fields(typed.unpack(payload), what, ("state", "applied"), ("count",))
+            check_state(body["state"], inc.slice.length, what)
+            for f in ("applied", "count"):
+                if f in body:
+                    count_field(body[f], "%s: %s" % (what, f))
+            if body["applied"] > round_:
+                raise RequestError("%s: round %d, asked for %d or before"
+                                   % (what, body["applied"], round_))
+            kept = (body["state"], body.get("count"), body["applied"])
+        self._take_replica(mig, inc, round_, kept)
+        self._resolve_divert(mig, inc)
+        self._maybe_done(mig)
+
+    def _on_state(self, client, h, payload):
+        """STATE from a successor of a diverted slice: this server's replica of its state after
+        round ``h.iteration`` or the newest before it (it is the slow server's buddy), or ACK
+        if it keeps none."""
+        kept = self.newest_replica(h.key, h.offset, h.length, h.iteration)
+        if kept is None or kept[0] is None:
+            log.info("server %d: no replica of key %d [%d, +%d) round %d for server %d",
+                     self.rank, h.key, h.offset, h.length, h.iteration, h.sender)
+            self._reply(client, h, MsgType.ACK, length=0)
+            return
+        body = {"state": kept[0], "applied": kept[2]}
+        if kept[1] is not None:
+            body["count"] = kept[1]
+        self._reply(client, h, MsgType.DATA, typed.pack(body), dtype=wire.NO_DTYPE, length=0)
 
     def _on_value(self, client, h, payload):
         """VALUE from a successor: the whole slice this server gave up in a divert."""
@@ -780,7 +895,11 @@ class Migrating:
         slot.since = mig.version
         self.slots[target] = slot
         self._unfast()
-        self._after_round(slot)          # MXPS_REPLICA: its state to the buddy
+        if self.replica:
+            # MXPS_REPLICA: its state to the buddy at once, a lazy replica's too, so that a
+            # slice a plan moved has a replica before its next K-th round (MXPS_DIVERT takes
+            # a slow server's state from there)
+            self._replicate(slot)
         if self._trace is not None:
             self._plan_row("slice_built", mig.version, key, want.offset, want.length,
                            nbytes=value.nbytes)

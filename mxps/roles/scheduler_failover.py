@@ -236,6 +236,9 @@ class Failover:
     def _divert_in_place(self, p):
         record = p["divert"]
         record["in_place_at"] = round(self._now - self.started_at, 6)
+        # the weights and state the servers sent one another (MIGRATE parts): with
+        # MXPS_REPLICA the slow server sends neither, unless a successor asks (VALUE)
+        record["moved_bytes"] = p["sent"]
         self.divert_table = p["table"]
         log.info("plan %d in place: server %d's %d slices on the other servers, %.3f s after "
                  "it was reported slow", p["version"], record["server"], record["slices"],

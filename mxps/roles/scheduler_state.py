@@ -798,16 +798,19 @@ class SchedulerState(Failover):
             return
         p["acks"].add(node.rank)
         p["sent"] += sent
-        if "failover" in p:
+        if "failover" in p or "divert" in p:
+            record = p.get("failover") or p["divert"]
             reset = body.get("reset") or []
             if not isinstance(reset, list):
                 raise MalformedBody("PLAN of version %d: reset is not a list" % p["version"])
-            p["failover"]["state_reset"].extend(reset)
+            if "failover" in p:
+                record["state_reset"].extend(reset)
             stale = body.get("stale") or []
             if not isinstance(stale, list):
                 raise MalformedBody("PLAN of version %d: stale is not a list" % p["version"])
             if stale:
-                p["failover"].setdefault("state_stale", []).extend(stale)
+                # a lazy replica's state (MXPS_REPLICA=K): [key, offset, length, rounds behind]
+                record.setdefault("state_stale", []).extend(stale)
         if len(p["acks"]) < len(self._servers()):
             return
         self.pending_plan = None

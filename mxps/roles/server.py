@@ -43,7 +43,7 @@ ALLOWED = {
                          MsgType.PROBE, MsgType.LTP_HELLO, MsgType.LEAVE,
                          MsgType.PUSH_ROWS, MsgType.PULL_ROWS, MsgType.INIT_TABLE,
                          MsgType.SEED)),
-    "server": frozenset((MsgType.MIGRATE, MsgType.REPLICA, MsgType.VALUE)),
+    "server": frozenset((MsgType.MIGRATE, MsgType.REPLICA, MsgType.VALUE, MsgType.STATE)),
 }
 _IDENTITY = re.compile(rb"(worker|server):(0|[1-9][0-9]{0,8})\Z")
 
@@ -260,12 +260,12 @@ class Server:
     def _serve_peer(self, rank, sock):
         while sock.poll(0):
             try:
-                _, h, _ = transport.recv(sock)
+                _, h, payload = transport.recv(sock)
             except wire.WireError as e:
                 self.drops("peer", "server %d: dropped a malformed message from server %d: %s",
                            self.rank, rank, e)
                 continue
-            self._send(self.state.on_peer_reply(rank, h))
+            self._send(self.state.on_peer_reply(rank, h, payload))
 
     def run(self):
         wait_ms = int(self.cfg.heartbeat_interval * 1000 / 2)

@@ -229,9 +229,10 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
             out += self._flush()
         return out
 
-    def on_peer_reply(self, server_rank, h):
+    def on_peer_reply(self, server_rank, h, payload=None):
         """Server ``server_rank``'s answer to a part this server sent it: an ACK, or an ERROR
-        that fails the plan.  A message that answers no part in flight to that server (another
+        that fails the plan; or to a ``STATE`` (MXPS_DIVERT with MXPS_REPLICA): DATA with the
+        state, or ACK.  A message that answers nothing in flight to that server (another
         plan's, a type that is not a reply) is dropped and counted."""
         if self.replica:
             try:
@@ -241,6 +242,14 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
                 self._plan_failed(self.plan_version, e)
                 return self._flush()
         mig = self.migration
+        if h.type in (MsgType.ACK, MsgType.DATA) and mig is not None and \
+                h.plan_version == mig.version and h.request_id in mig.state_asks and \
+                mig.outgoing.get(h.request_id) == server_rank:
+            try:
+                self._on_state_reply(server_rank, h, payload)
+            except Exception as e:
+                self._plan_failed(h.plan_version, e)
+            return self._flush()
         if h.type not in (MsgType.ACK, MsgType.ERROR) or mig is None or \
                 h.plan_version != mig.version or mig.outgoing.get(h.request_id) != server_rank:
             self.drops("peer:%d" % server_rank, "server %d: dropped %r from server %d: not a "
@@ -624,6 +633,7 @@ class ServerState(LtpIntake, Migrating, OptimizerRequests, RowRequests, Replicas
         MsgType.SEED: Migrating._on_seed,
         MsgType.REPLICA: Replicas._on_replica,
         MsgType.VALUE: Migrating._on_value,
+        MsgType.STATE: Migrating._on_state,
         MsgType.PROBE: _on_probe,
         MsgType.INIT: _on_init,
         MsgType.PUSH: _on_push,

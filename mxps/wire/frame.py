@@ -109,6 +109,9 @@ class MsgType(enum.IntEnum):
     VALUE = 38          # server -> the old owner of a diverted slice: send its weights too
                         # (no worker pulled the round it applied); answered with ACK and a
                         # MIGRATE of the whole slice
+    STATE = 39          # server -> the buddy of a diverted slice's slow server: its replica of
+                        # the slice's optimizer state after round `iteration` (MXPS_REPLICA);
+                        # answered with DATA, typed {state}, or ACK if it keeps none
     ACK = 20            # reply without payload
     DATA = 21           # reply with a slice
     ERROR = 22          # reply: request failed, payload = message (utf-8)
