@@ -29,19 +29,27 @@ def facts(run):
     return info
 
 
-@pytest.mark.parametrize("optimizer,at", [("sgd", "4:1"), ("adam", "6:0")])
-def test_a_divert_in_mid_round_ends_with_the_weights_of_a_fixed_plan(jobs, optimizer, at):
+@pytest.mark.parametrize("optimizer,at,replica", [("sgd", "4:1", 0), ("adam", "6:0", 0),
+                                                 ("sgd", "4:1", 1)],
+                         ids=["sgd", "adam", "sgd-state-from-the-replica"])
+def test_a_divert_in_mid_round_ends_with_the_weights_of_a_fixed_plan(jobs, optimizer, at,
+                                                                     replica):
+    # with MXPS_REPLICA=1 the momentum comes from the slow server's buddy, not from it
     workers, servers = 2, 3
     fixed = jobs.train(train_env("device", optimizer=optimizer, update_on_kvstore=False,
                                  steps=STEPS, JOB_SIMULATE_WORKERS=workers), workers, 0)
+    extra = dict(MXPS_REPLICA=replica) if replica else {}
     moving = jobs.train(train_env("mxps", optimizer=optimizer, update_on_kvstore=True,
-                                  steps=STEPS, MXPS_DIVERT_FORCE=at, **DIVERT),
+                                  steps=STEPS, MXPS_DIVERT_FORCE=at, **DIVERT, **extra),
                         workers, servers)
     info = facts(moving)
     (d,) = info["diverts"]
     rnd, server = map(int, at.split(":"))
     assert (d["server"], d["round"], d["reported_by"]) == (server, rnd, 0), d
     assert d["slices"] > 0 and d["in_place_at"] >= d["detected_at"], d
+    # the state crossed from the slow server, or (the replica) nothing did
+    assert (d["moved_bytes"] == 0) == bool(replica), d
+    assert "state_stale" not in d, d
     # re-planning goes on after it
     assert any(p["at"] > d["in_place_at"] for p in info["replan_points"]), info
     want = assert_synchronised(fixed.out_dir, workers, kvstore_type="device")
