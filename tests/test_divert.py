@@ -34,7 +34,8 @@ def facts(run):
                          ids=["sgd", "adam", "sgd-state-from-the-replica"])
 def test_a_divert_in_mid_round_ends_with_the_weights_of_a_fixed_plan(jobs, optimizer, at,
                                                                      replica):
-    # with MXPS_REPLICA=1 the momentum comes from the slow server's buddy, not from it
+    # with MXPS_REPLICA=1 the momentum comes from the slow server's buddy where the workers
+    # hold the slow server's round, else whole from the slow server: weights exact either way
     workers, servers = 2, 3
     fixed = jobs.train(train_env("device", optimizer=optimizer, update_on_kvstore=False,
                                  steps=STEPS, JOB_SIMULATE_WORKERS=workers), workers, 0)
@@ -47,8 +48,8 @@ def test_a_divert_in_mid_round_ends_with_the_weights_of_a_fixed_plan(jobs, optim
     rnd, server = map(int, at.split(":"))
     assert (d["server"], d["round"], d["reported_by"]) == (server, rnd, 0), d
     assert d["slices"] > 0 and d["in_place_at"] >= d["detected_at"], d
-    # the state crossed from the slow server, or (the replica) nothing did
-    assert (d["moved_bytes"] == 0) == bool(replica), d
+    # without a replica the momentum crossed from the slow server
+    assert replica or d["moved_bytes"] > 0, d
     assert "state_stale" not in d, d
     # re-planning goes on after it
     assert any(p["at"] > d["in_place_at"] for p in info["replan_points"]), info

@@ -694,11 +694,12 @@ class Migrating:
         link), or the workers' copy changed since (Gluon's BatchNorm running statistics,
         pulled once and changed by the forward pass).
 
-        With MXPS_REPLICA the state is the replica the slow server's buddy holds of the
-        workers' round (``STATE``): when no worker pulled the slow server's last round yet,
-        the slice is rebuilt one round back, from the workers' weights and the buddy's state
-        of that round, and that round is summed again from the pushes the workers send again;
-        nothing crosses the slow link.  A lazy replica's state may be older (``stale``)."""
+        With MXPS_REPLICA, when the workers hold the slow server's round, the state is the
+        replica its buddy holds of that round (``STATE``): nothing crosses the slow link.  A
+        lazy replica's state may be older (``stale``).  (Rebuilding a round no worker pulled
+        from the buddy's state of the round before and the pushes sent again would spare the
+        ``VALUE`` too, but it needs every worker's push of that round again, which a worker
+        that got the round's pull already does not send: not done.)"""
         if inc.expect or not inc.parts or len(inc.lost) < self.num_workers or inc.asked \
                 or inc.replica == "asked":
             return
@@ -712,8 +713,7 @@ class Migrating:
                                    mig.version, w, r, part["key"], n.offset, n.length,
                                    inc.source, part["applied"]))
         same = r == part["applied"] and self._is_servers(inc.lost[w], part)
-        if "replica" in part and inc.replica is None and w is not None and (
-                same or r == part["applied"] - 1):
+        if "replica" in part and inc.replica is None and same:
             self._ask_state(mig, inc, r)
             if inc.replica == "asked":
                 return
@@ -777,10 +777,7 @@ class Migrating:
         inc.replica = "in"
         if count is not None:
             part["count"] = count + (round_ - kept_round)
-        elif "count" in part:
-            part["count"] -= part["applied"] - round_
         part["state"] = state
-        part["applied"] = round_
         if round_ > kept_round:
             mig.stale.append([part["key"], n.offset, n.length, round_ - kept_round])
 
@@ -895,11 +892,7 @@ class Migrating:
         slot.since = mig.version
         self.slots[target] = slot
         self._unfast()
-        if self.replica:
-            # MXPS_REPLICA: its state to the buddy at once, a lazy replica's too, so that a
-            # slice a plan moved has a replica before its next K-th round (MXPS_DIVERT takes
-            # a slow server's state from there)
-            self._replicate(slot)
+        self._after_round(slot)          # MXPS_REPLICA: its state to the buddy
         if self._trace is not None:
             self._plan_row("slice_built", mig.version, key, want.offset, want.length,
                            nbytes=value.nbytes)
