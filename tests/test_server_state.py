@@ -1733,12 +1733,8 @@ def test_with_a_replica_a_round_no_worker_pulled_comes_whole_from_the_slow_serve
     only(divert_seed(s0, 0, 2, round2), MsgType.ACK)
     value = only(divert_seed(s0, 1, 2, round2), MsgType.VALUE)
     assert value.dest == 1
-    outs = s1.on_request(b"peer0", value.header, value.payload)
     peers = {0: s0, 1: s1, 2: buddy}
-    settle(s0.on_request(b"peer1", only(outs, MsgType.MIGRATE).header,
-                         only(outs, MsgType.MIGRATE).payload), peers)
-    assert reports(settle(s0.on_peer_reply(1, only(outs, MsgType.ACK).header), peers)) == [
-        {"version": 1, "moved_bytes": 0, "reset": []}]
+    whole_from_the_slow_server(s0, s1, value, peers)
     assert s0.slots[(5, 0)].applied == 3
     for w in (0, 1):
         only(resent_whole(s0, w, 3, GRADS[2][w]), MsgType.ACK)
@@ -1746,6 +1742,16 @@ def test_with_a_replica_a_round_no_worker_pulled_comes_whole_from_the_slow_serve
     outs = settle(send(s0, MsgType.PULL, 5, it=3, length=8, version=1), peers)
     np.testing.assert_allclose(value_of(only(outs, MsgType.DATA)),
                                alone.slots[(5, 0)].store.snapshot, rtol=1e-6)
+
+
+def whole_from_the_slow_server(s0, s1, value, peers):
+    """Server 1 answers server 0's VALUE with the slice whole; server 0 builds it, and the
+    divert is in place there."""
+    outs = s1.on_request(b"peer0", value.header, value.payload)
+    part = only(outs, MsgType.MIGRATE)
+    settle(s0.on_request(b"peer1", part.header, part.payload), peers)
+    assert reports(settle(s0.on_peer_reply(1, only(outs, MsgType.ACK).header), peers)) == [
+        {"version": 1, "moved_bytes": 0, "reset": []}]
 
 
 def alone_after(rounds):
@@ -1765,12 +1771,8 @@ def test_a_diverted_slice_whose_replica_the_buddy_lacks_comes_whole_from_the_slo
     ask = only(divert_seed(s0, 1, 2, round2), MsgType.STATE)
     none = only(buddy.on_request(b"peer0", ask.header, ask.payload), MsgType.ACK)
     value = only(s0.on_peer_reply(2, none.header, none.payload), MsgType.VALUE)
-    outs = s1.on_request(b"peer0", value.header, value.payload)
     peers = {0: s0, 1: s1, 2: buddy}
-    settle(s0.on_request(b"peer1", only(outs, MsgType.MIGRATE).header,
-                         only(outs, MsgType.MIGRATE).payload), peers)
-    assert reports(settle(s0.on_peer_reply(1, only(outs, MsgType.ACK).header), peers)) == [
-        {"version": 1, "moved_bytes": 0, "reset": []}]
+    whole_from_the_slow_server(s0, s1, value, peers)
     round3_ends_as_alone(s0, alone, peers)
 
 
