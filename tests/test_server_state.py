@@ -1800,3 +1800,10 @@ def test_with_a_lazy_replica_a_diverted_slice_takes_stale_state_and_the_job_is_t
     np.testing.assert_array_equal(slot.store.snapshot, round3)
     np.testing.assert_array_equal(
         s0.updater.states[slot.index].asnumpy(), s0.replicas[(5, 0, 8)][2][0])
+
+
+def test_a_state_request_with_a_payload_is_refused_naming_it():
+    s = new_server(rank=2, optimizer=sgd(0.9), num_servers=3, replica=1, failover=True)
+    h, v = request(MsgType.STATE, 5, w=1, it=2, length=8, value=VALUE)
+    assert "STATE of key 5 from server 1 carries 32 bytes" in error_text(
+        s.on_request(b"peer1", h, v))

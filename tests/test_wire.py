@@ -100,7 +100,7 @@ def test_unpack_of_a_frame_of_the_wrong_size_names_the_size(n):
     assert "%d bytes" % n in str(e.value) and "56" in str(e.value)
 
 
-@pytest.mark.parametrize("t", [0, 9, 18, 19, 23, 39, 255])
+@pytest.mark.parametrize("t", [0, 9, 18, 19, 23, 40, 255])
 def test_unpack_of_an_unknown_message_type_names_the_type(t):
     frame = bytearray(_valid_frame())
     frame[5] = t

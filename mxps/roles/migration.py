@@ -811,6 +811,10 @@ class Migrating:
         """STATE from a successor of a diverted slice: this server's replica of its state after
         round ``h.iteration`` or the newest before it (it is the slow server's buddy), or ACK
         if it keeps none."""
+        size = 0 if payload is None else len(payload_bytes(payload))
+        if size:
+            raise RequestError("STATE of key %d from server %d carries %d bytes: it carries "
+                               "none" % (h.key, h.sender, size))
         kept = self.newest_replica(h.key, h.offset, h.length, h.iteration)
         if kept is None or kept[0] is None:
             log.info("server %d: no replica of key %d [%d, +%d) round %d for server %d",
