@@ -696,10 +696,9 @@ class Migrating:
 
         With MXPS_REPLICA, when the workers hold the slow server's round, the state is the
         replica its buddy holds of that round (``STATE``): nothing crosses the slow link.  A
-        lazy replica's state may be older (``stale``).  (Rebuilding a round no worker pulled
-        from the buddy's state of the round before and the pushes sent again would spare the
-        ``VALUE`` too, but it needs every worker's push of that round again, which a worker
-        that got the round's pull already does not send: not done.)"""
+        lazy replica's state may be older (``stale``).  A round no worker pulled yet still
+        comes whole from the slow server (``VALUE``): rebuilding it one round back from the
+        buddy's state and the pushes sent again is not done (docs/REPLAN.md)."""
         if inc.expect or not inc.parts or len(inc.lost) < self.num_workers or inc.asked \
                 or inc.replica == "asked":
             return
