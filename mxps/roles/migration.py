@@ -657,8 +657,7 @@ class Migrating:
         value = part.pop("value")
         part["crc"] = zlib.crc32(memoryview(np.ascontiguousarray(value)).cast("B"))
         part["diverted"] = self.rank
-        if self.replica and part.get("state") is not None and slot.replicated > 0 \
-                and slot.replicated <= part["applied"]:
+        if self.replica and part.get("state") is not None and slot.replicated > 0:
             del part["state"]
             part["replica"] = slot.replicated
         return part
@@ -751,7 +750,7 @@ class Migrating:
         n = inc.slice
         holder = failover.buddy(inc.source, self.lost_servers, self.num_servers)
         if holder == self.rank:
-            self._take_replica(mig, inc, round_, self.newest_replica(
+            self._take_replica(mig, inc, round_, self.replica_of(
                 inc.parts[0]["key"], n.offset, n.length, round_))
             return
         inc.replica = "asked"
@@ -764,21 +763,21 @@ class Migrating:
         self._out.append(Out(Out.PEER, holder, h, None))
 
     def _take_replica(self, mig, inc, round_, kept):
-        """The buddy's replica of a diverted slice's state, (state, count, its round), for the
-        workers' ``round_`` (None: it holds none, and the slow server is asked for the slice
-        whole).  A lazy replica's state may be rounds older: the job facts list the slice
+        """The buddy's replica of a diverted slice's state, (state, count, rounds it is behind
+        ``round_``: ``Replicas.replica_of``), for the workers' ``round_`` (None: it holds none,
+        and the slow server is asked for the slice whole).  A lazy replica's state may be rounds older: the job facts list the slice
         (``stale``) and its count goes on from the workers' round."""
         part, n = inc.parts[0], inc.slice
         if kept is None or kept[0] is None:
             inc.replica = "missing"
             return
-        state, count, kept_round = kept
+        state, count, behind = kept
         inc.replica = "in"
         if count is not None:
-            part["count"] = count + (round_ - kept_round)
+            part["count"] = count + behind
         part["state"] = state
-        if round_ > kept_round:
-            mig.stale.append([part["key"], n.offset, n.length, round_ - kept_round])
+        if behind:
+            mig.stale.append([part["key"], n.offset, n.length, behind])
 
     def _on_state_reply(self, server_rank, h, payload):
         """The buddy's answer to a ``STATE``: DATA with {state, count, applied} (typed), or
@@ -801,7 +800,7 @@ class Migrating:
             if body["applied"] > round_:
                 raise RequestError("%s: round %d, asked for %d or before"
                                    % (what, body["applied"], round_))
-            kept = (body["state"], body.get("count"), body["applied"])
+            kept = (body["state"], body.get("count"), round_ - body["applied"])
         self._take_replica(mig, inc, round_, kept)
         self._resolve_divert(mig, inc)
         self._maybe_done(mig)
@@ -814,13 +813,13 @@ class Migrating:
         if size:
             raise RequestError("STATE of key %d from server %d carries %d bytes: it carries "
                                "none" % (h.key, h.sender, size))
-        kept = self.newest_replica(h.key, h.offset, h.length, h.iteration)
+        kept = self.replica_of(h.key, h.offset, h.length, h.iteration)
         if kept is None or kept[0] is None:
             log.info("server %d: no replica of key %d [%d, +%d) round %d for server %d",
                      self.rank, h.key, h.offset, h.length, h.iteration, h.sender)
             self._reply(client, h, MsgType.ACK, length=0)
             return
-        body = {"state": kept[0], "applied": kept[2]}
+        body = {"state": kept[0], "applied": h.iteration - kept[2]}
         if kept[1] is not None:
             body["count"] = kept[1]
         self._reply(client, h, MsgType.DATA, typed.pack(body), dtype=wire.NO_DTYPE, length=0)

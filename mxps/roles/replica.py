@@ -146,15 +146,6 @@ class Replicas:
             return kept[max(older)] + (round_ - max(older),)
         return None
 
-    def newest_replica(self, key, offset, length, round_):
-        """(state, update count, its round) of the newest round at or before ``round_`` this
-        server keeps of a slice (MXPS_DIVERT asks it of the slow server's buddy); or None."""
-        kept = self.replicas.get((key, offset, length), {})
-        older = [r for r in kept if r <= round_]
-        if not older:
-            return None
-        return kept[max(older)] + (max(older),)
-
     def _prune_replicas(self, old, new):
         """A plan from ``old`` to ``new``: keep the replicas of the slices of either table (a
         move a lost server interrupts is rolled back to ``old``), forget the others."""
