@@ -42,7 +42,9 @@ setup(
     packages=find_packages(include=["mxps", "mxps.*", "mxps_tools", "mxps_tools.*"])
     + ["mxps_tools._patches"],
     package_dir={"mxps_tools._patches": "patches"},
-    package_data={"mxps_tools._patches": ["*.patch", "README.md"]},
+    package_data={"mxps_tools._patches": ["*.patch", "README.md"],
+                  # the simulator's zoo, calibration and validation data (mxps simulate)
+                  "mxps_tools.simulate": ["*.json"]},
     ext_modules=cythonize(EXTENSIONS, compiler_directives={"language_level": "3"}),
     install_requires=[
         # mxps patches and drives MXNet 1.9.1 internals: exactly this version.
@@ -55,6 +57,8 @@ setup(
         # the tools: process CPU and sockets of jobs (mxps_tools.jobs), the bench's tables
         "psutil>=5.9",
         "tabulate>=0.9",
+        # mxps simulate's discrete-event engine (SimPy 4, not Debian's SimPy 2)
+        "simpy>=4,<5",
     ],
     extras_require={
         # the main job (digits example) and the benchmark.  The upper bounds are the last
