@@ -26,6 +26,12 @@ and without the job secret beside native's server (mxps_tools.server_bench).
     mxps plot --trace /tmp/trace [--around WALL_TIME] [--window 10] --out-dir plots/
     mxps plot --trace /tmp/trace --summary
 
+    mxps simulate --scenario static -n 256 -s 32 --rate 25000
+    mxps simulate --validate
+
+simulates the bench's jobs at any scale on a discrete-event model (mxps_tools.simulate,
+docs/SIMULATE.md), validated against mxps bench's measurements.
+
     mxps study noise --quick --out /tmp/noise-quick
 
 runs the label-noise scalability study (mxps_tools.study_noise, docs/NOISE.md).
@@ -154,6 +160,10 @@ def main(argv=None):
                     help="with --trace: print the per-round, per-server table instead of "
                     "drawing")
     pl.add_argument("--out-dir", default=".")
+    si = sub.add_parser("simulate", help="a discrete-event model of the bench's jobs: any "
+                        "number of workers and servers, validated against mxps bench")
+    from .simulate import cli as simulate_cli
+    simulate_cli.add_arguments(si)
     st = sub.add_parser("study", help="studies that run real jobs (noise: label noise vs "
                         "scalability)")
     studies = st.add_subparsers(dest="study", required=True)
@@ -171,6 +181,8 @@ def main(argv=None):
         return server_bench.main(args, sb)
     if args.cmd == "plot":
         return cmd_plot(pl, args)
+    if args.cmd == "simulate":
+        return simulate_cli.main(args)
     if args.cmd == "study":
         return study_noise.run(no, args)
     return 2
