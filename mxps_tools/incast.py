@@ -743,7 +743,8 @@ def run(a) -> Dict:
         emunet.check_prerequisites(tools=emunet.Topology._tools_needed(True, True))
         emunet.cleanup_stale(a.netns_prefix)
         with emunet.Topology(senders + receivers, default_rate=a.rate, mtu=a.mtu,
-                             per_packet=True, prefix=a.netns_prefix) as topo:
+                             per_packet=None if a.offloads else True,
+                             prefix=a.netns_prefix) as topo:
             record["tcp_congestion_control"] = (a.tcp_cc or
                                                 default_congestion_control(topo, senders[0]))
             print("%s over TCP %s, %d -> %d, %g Mbit/s, MTU %d"
@@ -802,6 +803,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write every point's record (JSON) here, as it goes")
     p.add_argument("--round-timeout", type=float, default=60.0,
                    help="seconds a round may take before the run fails, default 60")
+    p.add_argument("--offloads", action="store_true",
+                   help="leave the links' offloads on where the shaping allows it (no loss, a "
+                        "queue of at least the default): as mxps bench's lossless runs have "
+                        "them; default: off, every packet shaped and dropped on its own")
     p.add_argument("--tcp-cc", metavar="NAME",
                    help="TCP congestion control in every node (e.g. cubic, bbr); default: the "
                         "machine's (recorded in the JSON either way)")
