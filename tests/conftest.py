@@ -76,6 +76,7 @@ FILE_TIERS = {
     "test_scheduler_state.py": "unit",
     "test_server_state.py": "unit",
     "test_server_bench.py": "cluster",
+    "test_simulate.py": "unit",
     "test_sparse.py": "cluster",
     "test_ssh_launch.py": "netns",
     "test_states.py": "cluster",
