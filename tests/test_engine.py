@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mxps.kernels import _engine, engine_py
+from mxps.kernels import ndview
 from mxps.kernels.ndview import numpy_view
 
 PUSH_ASYNC_ND = ctypes.cast(mx.base._LIB.MXEnginePushAsyncND, ctypes.c_void_p).value
@@ -299,3 +300,43 @@ def test_the_selector_pushes_through_the_default_implementation():
 
     engine.push_async(op, [], [b.handle.value])
     assert (bounded(b.asnumpy, "b.asnumpy()") == 9).all()
+
+
+def _weight_in_a_onednn_layout():
+    """A convolution weight after an inference-mode forward: MXNet built with oneDNN caches it
+    in a oneDNN layout (skips the test on a build without oneDNN)."""
+    net = mx.gluon.nn.Conv2D(8, 3, in_channels=2)
+    net.initialize(mx.init.Uniform())
+    w = net.weight.data()
+    assert not ndview.in_onednn_layout(w)
+    net(mx.nd.ones((1, 2, 6, 6)))
+    mx.nd.waitall()
+    if not ndview.in_onednn_layout(w):
+        pytest.skip("this MXNet keeps no array in a oneDNN layout")
+    return w
+
+
+def test_an_operation_holding_an_array_in_a_onednn_layout_views_it_in_the_default_one(eng):
+    # MXNDArrayGetData (numpy_view) would convert it with an engine operation and wait for it:
+    # from inside an operation holding the array, that wait never ends; engine_view converts
+    # it in place, as the operation that holds it
+    w = _weight_in_a_onednn_layout()
+    values = w.asnumpy()
+    seen = {}
+
+    def op(done):
+        seen["view"] = ndview.engine_view(w).copy()
+        seen["converted"] = not ndview.in_onednn_layout(w)
+        done()
+
+    eng.push_async(op, [], [w.handle.value], 0, b"test_onednn")
+    bounded(mx.nd.waitall, "waitall")
+    assert seen["converted"]
+    np.testing.assert_array_equal(seen["view"].reshape(values.shape), values)
+    np.testing.assert_array_equal(w.asnumpy(), values)
+
+
+def test_arrays_in_the_default_layout_are_left_as_they_are():
+    a = mx.nd.arange(6)
+    assert not ndview.in_onednn_layout(a) and not ndview.to_default_layout(a)
+    assert not ndview.in_onednn_layout(mx.nd.zeros((4, 4))[1:3])

@@ -274,3 +274,22 @@ def test_with_failover_a_push_with_the_update_on_the_workers_is_refused_before_i
     kv.push("w", mx.nd.ones((4,)))
     mx.nd.waitall()
     assert len(served.pushed) == 1
+
+
+# --- arrays oneDNN left in its own layout ----------------------------------------------------
+
+def test_operations_on_weights_in_a_onednn_layout_complete_with_their_values(tmp_path):
+    # an inference-mode forward of a convolution leaves its weight in a oneDNN layout; mxps's
+    # engine operations on such an array once waited for ever for MXNet's conversion of it
+    # (tests/jobs/onednn_job.py): a Trainer's first step queued before its training forward
+    # ran (the noise study's flaky hang, made certain), a pull into such a weight, a push of
+    # one, a pushpull between two
+    res = cluster.run_job([os.path.join(cluster.JOBS_DIR, "onednn_job.py"), str(tmp_path)],
+                          1, 1, timeout=120)
+    res.raise_for_failure()
+    with open(os.path.join(str(tmp_path), "onednn.json")) as f:
+        got = json.load(f)
+    if mx.runtime.Features().is_enabled("MKLDNN"):
+        assert got["onednn_layouts"] == [True] * 5, got     # the case is really there
+    assert [got[c] for c in ("trainer", "pull", "push", "pushpull")] == [True] * 4, got
+    assert got["layouts_after"] == [False] * 5, got

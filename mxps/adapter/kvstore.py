@@ -44,7 +44,7 @@ from ..roles.link import PeerLostError, fatal
 from ..roles.worker import Client, RemoteError
 from ..wire import compression as compression_mod, frame as wire, typed
 from ..wire.frame import Header, MsgType
-from ..kernels.ndview import cut_state, handle_value, numpy_view
+from ..kernels.ndview import cut_state, handle_value, numpy_view, to_default_layout
 
 log = logging.getLogger("mxps")
 
@@ -513,6 +513,12 @@ class MXPS(KVStoreBase):
             if not client.begin_op(op):       # the script failed: nothing more is sent
                 op.finish()
                 return
+            # an array in a oneDNN layout first: numpy_view would have MXNet convert it by an
+            # engine operation that waits for this one (ndview.to_default_layout)
+            for a in (src, dst):
+                if a is not None and to_default_layout(a):
+                    log.debug("worker %d: %s: converted an array oneDNN had left in its own "
+                              "layout", client.rank, what)
             sview = numpy_view(src) if src is not None else None
             dview = numpy_view(dst) if dst is not None else None
             done = op.finish
@@ -544,8 +550,13 @@ class MXPS(KVStoreBase):
 
         with self._idle:
             self._inflight += 1
-        consts = [] if src is None or src is dst else [handle_value(src)]
-        muts = [handle_value(k.seq)] + ([handle_value(dst)] if dst is not None else [])
+        # every array the operation views is held mutable, so that it may convert one that a
+        # oneDNN operator left in its own layout in place (ndview.to_default_layout); a source
+        # that is not mxps's own buffer may be such an array (a weight pushed for averaging)
+        read = [] if src is None or src is dst else [handle_value(src)]
+        consts = read if src is k.reduce_buf else []
+        muts = [handle_value(k.seq)] + ([handle_value(dst)] if dst is not None else []) + \
+            ([] if src is k.reduce_buf else read)
         engine.push_async(run, consts, muts, priority, b"mxps_" + MsgType(msg).name.encode())
 
     def _marks(self, round_):
