@@ -74,6 +74,10 @@ POLL_SECONDS = 0.1
 #: Between SIGTERM to the process groups still running and SIGKILL.
 STOP_GRACE_SECONDS = 2.0
 SOCKET_INTERVAL_SECONDS = 0.25
+#: On a timeout: the signal on which every mxps node writes its threads' stacks to its stderr
+#: (``mxps.roles.takeover.STACKS_SIGNAL``), and how long the runner then waits for them.
+STACKS_SIGNAL = signal.SIGUSR1
+STACKS_GRACE_SECONDS = 1.0
 #: In the log dir: the scheduler's job info (MXPS_JOB_INFO).
 JOB_INFO_FILE = "job-info.json"
 TAIL_CHARS = 3000
@@ -518,17 +522,42 @@ class Job:
             JobTimeout: naming ``what`` and describing the job, after ``timeout`` seconds.
         """
         if not self._follow(until, time.monotonic() + timeout):
+            self.dump_stacks()
             raise JobTimeout("no %s within %.0f s\n%s"
                              % (what, timeout, self.result.describe(tails="all")))
 
     def run(self) -> JobResult:
-        """Start the job, follow it to its end (see the module doc), stop it; the result."""
+        """Start the job, follow it to its end (see the module doc), stop it; the result.  On
+        a timeout the nodes still running first write their threads' stacks to their stderr
+        (``dump_stacks``)."""
         with self:
             if not self._follow(self._ended, self._t0 + self.timeout):
                 self.result.timed_out = True
                 self.result.reason = "timeout after %.0f s; still running: %s" % (
                     self.timeout, ", ".join(n.name for n in self.nodes if n.returncode is None))
+                dumped = self.dump_stacks()
+                if dumped:
+                    self.result.reason += " (their stacks: %s)" % ", ".join(
+                        "%s.err" % n for n in dumped)
         return self.result
+
+    def dump_stacks(self, grace: float = STACKS_GRACE_SECONDS) -> List[str]:
+        """Ask every node still running that catches STACKS_SIGNAL (every mxps node: a
+        ``faulthandler`` dump) for its threads' stacks, written to its stderr, and wait
+        ``grace`` seconds for them; a node that does not catch it is left alone (the signal
+        would end it).  Returns the names of the nodes asked."""
+        asked = []
+        for n in self.nodes:
+            if n.pid and n.returncode is None and _catches(n.pid, STACKS_SIGNAL):
+                try:
+                    os.kill(n.pid, STACKS_SIGNAL)
+                except ProcessLookupError:
+                    continue
+                asked.append(n.name)
+        if asked:
+            time.sleep(grace)
+            self.poll()
+        return asked
 
     def _ended(self) -> bool:
         """run()'s end: a node failed (the reason names it), every node exited, or the servers
@@ -625,6 +654,19 @@ class _ExitWatch:
     def close(self):
         for pid in list(self._fds):
             self.discard(pid)
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (the SigCgt mask of /proc/PID/status);
+    False if it is gone or the mask cannot be read."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _kill_group(pid, sig):

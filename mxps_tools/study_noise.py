@@ -157,7 +157,12 @@ def run_one(spec: RunSpec, st: Settings, run_dir: str) -> dict:
                       cpu_interval=None).run()
     rec["wall_seconds"] = round(result.wall_seconds, 2)
     if not result.ok:
-        rec["error"] = result.describe()[-TAIL_CHARS:]
+        # the first line (why, and where the logs are: on a timeout, every node's stderr ends
+        # with its threads' stacks) and the tail of the failed node's stderr
+        text = result.describe()
+        head = text.split("\n", 1)[0]
+        tail = text[-TAIL_CHARS:]
+        rec["error"] = tail if tail.startswith(head) else head + "\n...\n" + tail
         return rec
     try:
         ranks = read_ranks(run_dir, spec)

@@ -63,6 +63,26 @@ def test_run_job_times_out_and_kills_everything():
     assert all(n.killed for n in res.nodes)
 
 
+def test_the_stacks_of_a_hung_jobs_mxps_nodes_land_in_their_stderr():
+    # every process that imported mxps writes its threads' stacks on SIGUSR1 (a faulthandler
+    # dump, mxps.roles.takeover) and goes on; the runner asks the nodes still running for
+    # them when a job times out (Job.dump_stacks): a hang tells where each node waits.  A
+    # node that does not catch the signal is left alone (it would end it).
+    script = "import mxps, time\ntime.sleep(60)"     # scheduler and server: take over
+    with runner.Job(["-c", script], 1, 1) as job:
+        job.wait(lambda: all(runner._catches(n.pid, runner.STACKS_SIGNAL) for n in job.nodes),
+                 60, "a stacks handler in every node")
+        assert job.dump_stacks(grace=2.0) == ["sched", "s0", "w0"]
+        assert job.all_exited() is False            # the dump ends nothing
+    for n in job.result.nodes:
+        assert "most recent call first" in n.stderr, (n.name, n.stderr[-2000:])
+    assert 'File "<string>", line ' in job.result.node("w0").stderr      # the script's frame
+    plain = runner.Job(["-c", "import time; time.sleep(60)"], 1, 1)
+    with plain:
+        assert plain.dump_stacks(grace=0) == []
+        assert not any(n.returncode is not None for n in plain.nodes)
+
+
 def test_run_job_starts_nodes_in_the_callers_cwd_without_the_checkout_on_pythonpath(
         tmp_path, monkeypatch):
     # the runner works wherever mxps is installed: it neither changes directory to a source

@@ -8,7 +8,9 @@ exits with its status.  The server needs MXNet for the optimizer; it imports it 
 reading "worker" so that MXNet does not start its own server.
 """
 import contextlib
+import faulthandler
 import logging
+import signal
 import sys
 
 from .. import config
@@ -46,9 +48,28 @@ def _import_mxnet_quietly():
     return mxnet
 
 
+#: The signal on which every mxps process writes the Python stack of each of its threads to
+#: its stderr (``faulthandler``) and goes on: what a hung node is doing.  The job runner
+#: (``mxps_tools.jobs``) sends it to every node still running when a job times out.
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def stacks_on_signal(sig=STACKS_SIGNAL):
+    """Write every thread's stack to stderr (fd 2) on ``sig``, unless the process already
+    handles ``sig`` (a script's own handler is kept).  Returns whether it was registered."""
+    try:
+        if signal.getsignal(sig) is not signal.SIG_DFL:
+            return False
+        faulthandler.register(sig, file=2, all_threads=True)
+    except (ValueError, OSError, RuntimeError):   # not the main thread, no such signal
+        return False
+    return True
+
+
 def take_over(env=None):
     """Run this process's mxps role if it is a server or scheduler; returns for workers."""
     role = config.role_from_env(env)
+    stacks_on_signal()
     if role == "worker":
         return
     cfg = config.from_env(env)
