@@ -148,10 +148,13 @@ def network_cpu(rounds=20, message="32M", rate=10000.0, offloads=False):
                       "CPU-seconds (/proc/stat) over the run, per GB pushed"}
 
 
-def incast_grid(mtu, sizes=("256K", "4M"), losses=(0.0, 1.0, 5.0, 10.0), rounds=20):
+def incast_grid(mtu, sizes=("256K", "4M"), losses=(0.0, 1.0, 5.0, 10.0), rounds=20,
+                out_dir=None):
     """The push alone, 8 -> 1 through a 2 ms switch queue, TCP and LTP, at ``mtu``: the
-    incast term at that MTU (docs/bench/ltp_push_alone_grid.json has it at 1500)."""
-    out_dir = tempfile.mkdtemp(prefix="mxps-calib-")
+    incast term at that MTU (docs/bench/ltp_push_alone_grid.json has it at 1500).  A point
+    already in ``out_dir`` is kept (a run resumes); a point that fails is tried once more."""
+    out_dir = out_dir or os.path.join(tempfile.gettempdir(), "mxps-calib-incast%d" % mtu)
+    os.makedirs(out_dir, exist_ok=True)
     grid = {}
     for tr in ("tcp", "ltp"):
         ratio = []
@@ -162,7 +165,12 @@ def incast_grid(mtu, sizes=("256K", "4M"), losses=(0.0, 1.0, 5.0, 10.0), rounds=
                 argv = [sys.executable, "-m", "mxps_tools.incast", "--transport", tr, "-W", "8",
                         "-R", "1", "--mtu", str(mtu), "--message", size, "--queue-ms", "2",
                         "--loss", str(loss), "--rounds", str(rounds), "--out", path]
-                _run(argv, "incast %s %s %g%%" % (tr, size, loss))
+                if not _has_point(path):
+                    try:
+                        _run(argv, "incast %s %s %g%%" % (tr, size, loss))
+                    except SystemExit as e:
+                        print("%s; once more" % e, flush=True)
+                        _run(argv, "incast %s %s %g%%" % (tr, size, loss))
                 with open(path) as f:
                     row.append(json.load(f)["points"][0]["summary"]["mean_over_ideal"])
             ratio.append(row)
@@ -172,6 +180,91 @@ def incast_grid(mtu, sizes=("256K", "4M"), losses=(0.0, 1.0, 5.0, 10.0), rounds=
                       "the ideal" % (mtu, ",".join(sizes), ",".join("%g" % x for x in losses),
                                      rounds))
     return grid
+
+
+_PROBE_SERVER = r"""
+import socket, sys, threading
+def echo(c):
+    while True:
+        d = c.recv(64)
+        if not d:
+            return
+        c.sendall(d)
+def sink(c):
+    while c.recv(1 << 20):
+        pass
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(8)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    kind = c.recv(1)
+    threading.Thread(target=echo if kind == b"e" else sink, args=(c,), daemon=True).start()
+"""
+
+_PROBE_CLIENT = r"""
+import socket, statistics, sys, threading, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+def rtts(n):
+    c = socket.create_connection((host, port)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    c.sendall(b"e"); out = []
+    for _ in range(n):
+        t = time.perf_counter(); c.sendall(b"x" * 32); got = b""
+        while len(got) < 32:
+            got += c.recv(64)
+        out.append(time.perf_counter() - t); time.sleep(0.02)
+    return out
+idle = rtts(40)
+stop = threading.Event()
+def bulk():
+    c = socket.create_connection((host, port)); c.sendall(b"b"); buf = bytes(1 << 20)
+    while not stop.is_set():
+        c.sendall(buf)
+threads = [threading.Thread(target=bulk, daemon=True) for _ in range(3)]
+for t in threads:
+    t.start()
+time.sleep(1.0)
+loaded = rtts(int(seconds / 0.02))
+stop.set()
+print("RTT %f %f" % (statistics.median(idle), statistics.median(loaded)), flush=True)
+"""
+
+
+def latency(rate=400.0, seconds=4.0, port=47311):
+    """The one-way delay a message meets on a loaded link of the emulated network: a small
+    TCP echo from node a to node b while three bulk TCP flows fill a's link to b (the bench's
+    default 50 ms queue, offloads on), the echo's request crossing the loaded queues and its
+    reply the idle ones; the median loaded round trip is the delay (the idle one beside it)."""
+    from .. import emunet
+    emunet.check_prerequisites()
+    emunet.cleanup_stale()
+    with emunet.Topology(["a", "b"], default_rate=rate) as topo:
+        srv = topo.popen("b", [sys.executable, "-c", _PROBE_SERVER, str(port)],
+                         stdout=subprocess.PIPE, text=True)
+        if srv.stdout.readline().strip() != "ready":
+            raise SystemExit("mxps simulate --calibrate: the latency probe's server did not "
+                             "start")
+        cli = topo.popen("a", [sys.executable, "-c", _PROBE_CLIENT, topo.addr("b"), str(port),
+                               str(seconds)], stdout=subprocess.PIPE, text=True)
+        out, _ = cli.communicate(timeout=60 + seconds)
+        srv.kill()
+    line = [ln for ln in out.splitlines() if ln.startswith("RTT ")]
+    if not line:
+        raise SystemExit("mxps simulate --calibrate: the latency probe printed nothing")
+    idle, loaded = (float(x) for x in line[-1].split()[1:])
+    return {"value": loaded, "idle_rtt_s": idle, "loaded_rtt_s": loaded, "rate_mbit": rate,
+            "source": "mxps simulate --calibrate (latency): a TCP echo across a %g Mbit/s link "
+                      "of the emulated network (50 ms queue, offloads on) while three bulk "
+                      "flows fill it, median of %d probes" % (rate, int(seconds / 0.02))}
+
+
+def _has_point(path):
+    try:
+        with open(path) as f:
+            return bool(json.load(f)["points"])
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _bytes(s):
@@ -193,6 +286,10 @@ def main(what=("message", "push", "net")):
             both[mode] = network_cpu(offloads=off)
             both[mode].update(stamp)
         cal["emunet_cpu_s_per_gb"] = both
+    if "latency" in what:
+        lat = latency()
+        lat.update(stamp)
+        cal["latency_s"] = lat
     if "incast9000" in what:
         cal["push_alone_mtu9000"] = incast_grid(9000)
         cal["push_alone_mtu9000"].update(stamp)
@@ -203,7 +300,7 @@ def main(what=("message", "push", "net")):
     with open(CALIBRATION_FILE, "w") as f:
         json.dump(cal, f, indent=1)
     print(json.dumps({k: cal[k] for k in ("cpu_s_per_message", "push_rounds",
-                                          "emunet_cpu_s_per_gb") if k in cal},
+                                          "emunet_cpu_s_per_gb", "latency_s") if k in cal},
                      indent=1))
     return 0
 

@@ -20,7 +20,10 @@ again on this machine (``mxps bench-server`` at two message sizes) and rewrites 
   burst, ACK clocking through tbf, random loss) on the links of every other scenario.
 - ``emunet_cpu_s_per_gb``: what the emulated network (veths, bridge, tbf in softirq) costs
   the machine per GB beyond the processes' own CPU; only where every node shares one machine.
-- ``latency_s``: one-way latency of the emulated network (veth, bridge, tbf).
+- ``latency_s``: the emulated network's idle round trip, and its round trip across a link
+  that bulk TCP flows keep busy (``mxps simulate --calibrate``): the difference, at that
+  link's rate, is the bytes a loaded link holds in its queue; a message waits for them at the
+  slower of the links it crosses.
 - header efficiency: derived, not measured: TCP payload per frame ``(mtu - 52) / (mtu + 14)``
   (IP, TCP with timestamps; tbf counts the Ethernet header), LTP's ``(mtu - 60) / (mtu + 14)``.
 """
@@ -37,7 +40,13 @@ class Calibration:
         self.data = data
         self.cpu = data["cpu_s_per_gb"]
         self.per_message = data["cpu_s_per_message"]
-        self.latency_s = float(data["latency_s"]["value"])
+        lat = data["latency_s"]
+        # the idle path's one-way delay, and the bytes a loaded link holds in its queue (its
+        # round trip under load minus the idle one, at the rate it was measured at)
+        self.latency_s = float(lat.get("idle_rtt_s", lat["value"])) / 2.0
+        self.loaded_queue_bytes = max(0.0, float(lat.get("loaded_rtt_s", 0.0)) -
+                                      float(lat.get("idle_rtt_s", 0.0))) * \
+            float(lat.get("rate_mbit", 400.0)) * 1e6 / 8.0
         self.push_alone = data["push_alone"]
 
     @classmethod

@@ -61,7 +61,10 @@ class Job:
         self.fwd_share = fwd_share
         self.env = simpy.Environment()
         self.net = Network(self.env)
+        # a message's delay: the idle path's, plus the queue a loaded link holds (measured in
+        # bytes at one rate, so it lasts longer on a slower link)
         self.lat = calib.latency_s
+        self.queue_bytes = calib.loaded_queue_bytes
         self.changes = sorted(changes, key=lambda x: x[0])   # (seconds after the first timed
         self.step_changes = list(step_changes)                # step, {node: rate}); by step
         self.server_rates = [float(r) for r in server_rates]
@@ -194,6 +197,15 @@ class Job:
         if self.incast:
             return self.calib.push_efficiency("tcp", self.loss, nbytes, mtu=self.mtu)
         return self.calib.push_efficiency("tcp", self.loss, nbytes, "push_rounds")
+
+    def _delay(self, ci, s, push):
+        """A message's delay from its last byte out to its arrival: the idle path's latency
+        and the loaded queue's bytes at the slower of the two links it crosses."""
+        wc = self.classes[ci]
+        cap = self.net.capacity
+        rate = min(cap[wc.up_res], cap[self.s_down[s]]) if push else \
+            min(cap[self.s_up[s]], cap[wc.down_res])
+        return self.lat + self.queue_bytes / rate
 
     def _peer(self, a, b):
         key = (a, b)
@@ -334,7 +346,8 @@ class Job:
                     st["first"][s] = env.now
                 st["bytes"][s] += nbytes
                 self.net.send(self.push[ci][s], nbytes,
-                              lambda: self._later(self.lat, lambda: self._pushed(ci, r, k, idx, s,
+                              lambda: self._later(self._delay(ci, s, True),
+                                                  lambda: self._pushed(ci, r, k, idx, s,
                                                                                    nbytes)),
                               prio)
             self.net.send(self.worker_io[ci], self.worker_msg_cost, send)
@@ -371,7 +384,8 @@ class Job:
         def taken():
             # the worker's I/O thread takes the reply (its per-message CPU), in turn
             self.net.send(self.worker_io[cj], self.worker_msg_cost, arrived)
-        self.net.send(self.pull[cj][s], nbytes, lambda: self._later(self.lat, taken))
+        self.net.send(self.pull[cj][s], nbytes,
+                      lambda: self._later(self._delay(cj, s, False), taken))
 
     # --- re-planning (mxps-adaptive) --------------------------------------------------
 
@@ -437,6 +451,19 @@ class Job:
             e = self.ends[ci][self.warmup:]
             out.append(list(zip(s, e)))
         return out
+
+    def cpu_per_gb(self):
+        """CPU-seconds per GB the workers pushed and pulled, per process kind, over the whole
+        run (the bench's ``cpu_per_gb``, compute left out); None on one shared machine, where
+        the model does not tell the processes apart."""
+        net = self.net
+        if "host cpu" in net.names:
+            return None
+        gb = 2.0 * self.W * self.rounds * self.model.bytes / 1e9
+        used = dict(zip(net.names, net.used))
+        w = sum(used["%s cpu" % c.name] * c.count for c in self.classes)
+        s = sum(used["s%d cpu" % i] for i in range(self.S))
+        return {"worker": w / gb, "server": s / gb}
 
     def mean_step(self):
         """The bench's mean: earliest start of the first timed step to the latest end of the

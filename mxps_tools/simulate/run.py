@@ -98,7 +98,7 @@ def _record(job, name, v, o, model, compute, wall):
             "window": [t0, t1], "workers": workers, "job_started_at": 0.0,
             "rate_log": [(tt, node, r * 8 / 1e6, r * 8 / 1e6)
                          for tt, node, r in job.rate_log],
-            "cpu_per_gb": None, "plan_moves": job.moves, "sim_seconds": wall,
+            "cpu_per_gb": job.cpu_per_gb(), "plan_moves": job.moves, "sim_seconds": wall,
             "sim_events": job.net.events}
 
 
