@@ -129,37 +129,52 @@ class Network:
     # --- rates --------------------------------------------------------------------------
 
     def _allocate(self):
-        """Max-min fair rates of the active connections (progressive filling)."""
+        """Max-min fair rates of the active connections (progressive filling: every unfrozen
+        connection at the same level; the resource whose level ``residual / load`` is lowest
+        saturates first and freezes the connections on it; a heap keeps the levels, stale
+        entries skipped)."""
         residual = list(self.capacity)
         load = [0.0] * len(residual)
-        users = {}
+        users = [None] * len(residual)
         for c in self.active:
+            c.rate = -1.0                       # unfrozen
             for r, w in c.uses:
                 load[r] += w
-                users.setdefault(r, []).append(c)
-        unfrozen = set(c.index for c in self.active)
-        while unfrozen:
-            best, br = math.inf, None
-            for r in users:
-                if load[r] > 1e-15:
-                    x = residual[r] / load[r]
-                    if x < best:
-                        best, br = x, r
-            if br is None:
-                for c in self.active:
-                    if c.index in unfrozen:
-                        c.rate = math.inf
-                break
-            best = max(best, 0.0)
-            for c in users[br]:
-                if c.index not in unfrozen:
+                u = users[r]
+                if u is None:
+                    users[r] = [c]
+                else:
+                    u.append(c)
+        heap = [(residual[r] / load[r], r) for r in range(len(load)) if users[r] is not None
+                and load[r] > 1e-15]
+        heapq.heapify(heap)
+        left = len(self.active)
+        while left and heap:
+            level, r = heapq.heappop(heap)
+            if users[r] is None or load[r] <= 1e-15:
+                continue
+            now = residual[r] / load[r]
+            if now > level * (1 + 1e-12) + 1e-18:
+                heapq.heappush(heap, (now, r))  # stale: its level rose since
+                continue
+            level = max(now, 0.0)
+            touched = set()
+            for c in users[r]:
+                if c.rate >= 0.0:
                     continue
-                unfrozen.discard(c.index)
-                c.rate = best
-                for r, w in c.uses:
-                    residual[r] -= w * best
-                    load[r] -= w
-            users.pop(br)
+                c.rate = level
+                left -= 1
+                for q, w in c.uses:
+                    residual[q] -= w * level
+                    load[q] -= w
+                    touched.add(q)
+            users[r] = None
+            for q in touched:
+                if users[q] is not None and load[q] > 1e-15:
+                    heapq.heappush(heap, (max(residual[q], 0.0) / load[q], q))
+        for c in self.active:
+            if c.rate < 0.0:
+                c.rate = math.inf
         self._dirty = False
 
     # --- the clock ----------------------------------------------------------------------
