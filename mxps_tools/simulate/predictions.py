@@ -2,8 +2,9 @@
 by the model (docs/SIMULATE.md shows the plots this draws).
 
 - Scale and link rate: W x S of 32 x 8, 64 x 16 and 256 x 32 at 10, 25 and 100 Gbit/s, on an
-  even network, with 10% of the servers at a quarter of the rate, with the slow quarter-rate
-  link moving every 15 s, and with 1% and 5% of the packets towards the servers lost: each
+  even network, with 10% of the servers at a quarter of the rate, with a quarter-rate link
+  moving to the next server every 3 steps, and with 1% and 5% of the packets towards the
+  servers lost: each
   system's mean step and its speedup over the better of native and P3.
 - How many servers a model needs: 64 workers at 25 Gbit/s, 2 to 64 servers.
 
@@ -22,13 +23,13 @@ RATES = (10000.0, 25000.0, 100000.0)
 CONDITIONS = {
     "even": dict(scenario="homogeneous"),
     "10% of servers at R/4": dict(scenario="homogeneous", slow_servers=0.1),
-    "R/4 link moving every 15 s": dict(scenario="dynamic", period=15.0),
+    "R/4 link moving every 3 steps": dict(scenario="dynamic", period_steps=3),
     "1% loss": dict(scenario="homogeneous", loss=1.0),
     "5% loss": dict(scenario="homogeneous", loss=5.0),
 }
 SYSTEMS = ("native", "native-p3", "mxps-default", "mxps-adaptive", "mxps-adaptive-ltp")
 MODEL = "resnet50_v1"
-STEPS = 20
+STEPS = 12
 
 
 def grid(model=MODEL, steps=STEPS, progress=print):
@@ -38,6 +39,8 @@ def grid(model=MODEL, steps=STEPS, progress=print):
             for rate in RATES:
                 o = scenarios.Options(num_workers=w, num_servers=s, model=model, rate=rate,
                                       steps=steps, systems=SYSTEMS, **kw)
+                if kw.get("period_steps"):
+                    o.steps = None          # the dynamic default: max(4P, 3P + 3) steps
                 t0 = time.time()
                 summ = simulate(o)
                 for a in summ["variants"][0]["systems"]:
