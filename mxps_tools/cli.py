@@ -34,7 +34,9 @@ docs/SIMULATE.md), validated against mxps bench's measurements.
 
     mxps study noise --quick --out /tmp/noise-quick
 
-runs the label-noise scalability study (mxps_tools.study_noise, docs/NOISE.md).
+runs the label-noise scalability study (mxps_tools.study_noise, docs/NOISE.md);
+``mxps study noise-scale --out DIR`` its statistical efficiency against the number of workers,
+with the simulated time to accuracy (mxps_tools.noise_scale).
 
 The command is never a parameter-server role, even when a job's ``DMLC_ROLE=server`` is in the
 shell: building the parser imports only the tools (``mxps_tools.bench`` and ``jobs``, which import
@@ -170,6 +172,11 @@ def main(argv=None):
     no = studies.add_parser("noise", help="label noise x consistency x workers (docs/NOISE.md)")
     from . import study_noise
     study_noise.add_arguments(no)
+    ns = studies.add_parser("noise-scale", help="steps to a target accuracy against the "
+                            "number of workers under label noise, and the simulated time to "
+                            "it (docs/SIMULATE.md)")
+    from . import noise_scale
+    noise_scale.add_arguments(ns)
     args = p.parse_args(argv)
     if args.cmd == "launch":
         return cmd_launch(args)
@@ -183,6 +190,8 @@ def main(argv=None):
         return cmd_plot(pl, args)
     if args.cmd == "simulate":
         return simulate_cli.main(args)
+    if args.cmd == "study" and args.study == "noise-scale":
+        return noise_scale.run(args)
     if args.cmd == "study":
         return study_noise.run(no, args)
     return 2

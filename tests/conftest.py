@@ -66,6 +66,7 @@ FILE_TIERS = {
     "test_native_baseline.py": "cluster",
     "test_no_pickle.py": "unit",
     "test_noise.py": "cluster",
+    "test_noise_scale.py": "unit",
     "test_patching.py": "cluster",
     "test_pairs.py": "cluster",
     "test_plan.py": "unit",
