@@ -49,9 +49,6 @@ class Connection:
         self.sent_bytes = 0.0
         self.name = name
 
-    def backlog(self):
-        return self.committed_bytes + sum(p[2] for p in self.pending)
-
 
 class Network:
     """Resources, connections and the process that moves their bytes (see the module doc)."""

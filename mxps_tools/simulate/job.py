@@ -93,6 +93,13 @@ class Job:
         self.ends = [[] for _ in classes]
         self.rate_log = []          # (sim time, node, rate bytes/s)
         self.first_timed_end = None
+        self._first_timed = self.env.event()    # worker 0 ended its first timed step
+        self._done = False
+        self._waiting = {}          # round -> the classes' events at its point
+        self._ended = set()
+        self._agg = {}              # (round, key, slice) -> classes whose push is taken
+        self._rstate = {}           # (class, round) -> that round's bookkeeping
+        self._reports = {}          # round -> class -> per server [bytes, busy seconds]
 
     # --- the network ------------------------------------------------------------------
 
@@ -239,8 +246,7 @@ class Job:
         """The scenario's rate changes, in seconds after worker 0's first timed step."""
         if not self.changes:
             return
-        while self.first_timed_end is None:
-            yield self.env.timeout(0.01)
+        yield self._first_timed
         t0 = self.first_timed_end
         for t, rates in self.changes:
             wait = t0 + t - self.env.now
@@ -251,10 +257,7 @@ class Job:
             for s, r in rates.items():
                 self.set_server_rate(s, r)
 
-    _done = False
-
     def _worker(self, ci):
-        env = self.env
         for r in range(self.rounds):
             if self.planner is not None or self.step_changes:
                 yield self._barrier(r)
@@ -264,10 +267,9 @@ class Job:
     # rounds are kept in step by a barrier where the job stops at a point (mxps-adaptive)
     def _barrier(self, r):
         ev = self.env.event()
-        waiting = self.__dict__.setdefault("_waiting", {})
-        waiting.setdefault(r, []).append(ev)
-        if len(waiting[r]) == len(self.classes):
-            self.env.process(self._point(r, waiting.pop(r)))
+        self._waiting.setdefault(r, []).append(ev)
+        if len(self._waiting[r]) == len(self.classes):
+            self.env.process(self._point(r, self._waiting.pop(r)))
         return ev
 
     def _point(self, r, events):
@@ -281,7 +283,7 @@ class Job:
             ev.succeed()
 
     def _arrived_at_end(self, ci):
-        self.__dict__.setdefault("_ended", set()).add(ci)
+        self._ended.add(ci)
         if len(self._ended) == len(self.classes):
             self._done = True
 
@@ -294,9 +296,7 @@ class Job:
         table = self.table
         for k in self.order:
             state["left"] += len(table[k])
-        self._rstate = getattr(self, "_rstate", {})
         self._rstate[(ci, r)] = state
-        io = None
         # the compute, as work on the compute connection: forward, then each key's share of
         # backward in backward order; a key's gradient goes out when its share is done
         work = wc.compute_s * self.cpu_per_compute_s
@@ -306,7 +306,7 @@ class Job:
         for k in self.order:
             share = self.ready_share[k]
             self.net.send(conn, work * (1 - self.fwd_share) * (share - prev),
-                          lambda k=k: self._push_key(ci, r, k, io))
+                          lambda k=k: self._push_key(ci, r, k))
             prev = share
         self.net.send(conn, 1e-12, lambda: self._backward_done(ci, r))
         yield state["done"]
@@ -314,11 +314,11 @@ class Job:
         self.ends[ci].append(end)
         if ci == 0 and r == self.warmup and self.first_timed_end is None:
             self.first_timed_end = end
+            self._first_timed.succeed()
         rep = {}
         for s in range(self.S):
             span = (state["last"][s] - state["first"][s]) if state["first"][s] is not None else 0
             rep[s] = [state["bytes"][s] * wc.count, span]
-        self._reports = getattr(self, "_reports", {})
         self._reports.setdefault(r, {})[ci] = rep
         del self._rstate[(ci, r)]
 
@@ -331,7 +331,7 @@ class Job:
         if st["left"] == 0 and st["backward_done"] and not st["done"].triggered:
             st["done"].succeed()
 
-    def _push_key(self, ci, r, k, io):
+    def _push_key(self, ci, r, k):
         """Key ``k``'s gradient is ready: its slices go through the worker's I/O thread (its
         CPU per message, in turn) and out."""
         env = self.env
@@ -360,7 +360,7 @@ class Job:
                       lambda: self._taken(r, k, idx, s, nbytes))
 
     def _taken(self, r, k, idx, s, nbytes):
-        agg = self.__dict__.setdefault("_agg", {})
+        agg = self._agg
         key = (r, k, idx)
         agg[key] = agg.get(key, 0) + 1
         if agg[key] < len(self.classes):

@@ -161,8 +161,6 @@ def _server_of(node, S):
 
 
 def worker_classes(o, compute_s):
+    """The bench's workers: every link at R (no scenario slows a worker's), one class."""
     R = mbit(o.rate)
-    if o.scenario == "incast":
-        # the bench's incast: every worker's link at R; what differs is the switch queue
-        pass
     return [WorkerClass("w", o.num_workers, R, R, compute_s)]
