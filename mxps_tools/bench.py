@@ -112,7 +112,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from . import jobs, runtime
+from . import runtime
 
 #: The benchmark's training job ships inside the package: ``python -m mxps_tools.bench_job``.
 BENCH_JOB = ["-m", "mxps_tools.bench_job"]
@@ -316,6 +316,7 @@ def model_param_sizes(model, mlp_hidden, image_size, timeout=SIZES_TIMEOUT) -> L
     Raises:
         BenchError: the build failed or printed no sizes.
     """
+    from . import jobs
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "MXPS_"))}
     env.update(jobs.QUIET_ENV)
     argv = runtime.python_argv(["-c", _SIZES_SCRIPT, "--model", model, "--mlp-hidden",
@@ -935,6 +936,7 @@ class Bench:
         return out
 
     def base_rates(self):
+        from . import jobs
         r = {n: self.o.rate for n in jobs.node_names(self.o.num_workers, self.o.num_servers)}
         r["sched"] = None
         return r
@@ -1044,6 +1046,7 @@ class Bench:
                 "shares_png": os.path.join(out, "shares-%s.png" % path_part(run_id))}
 
     def run_system(self, system: System, variant=None, rep=0):
+        from . import jobs
         o = self.o
         variant = variant or self.make_variants()[0]
         paths = self.run_paths(variant, rep, system)
@@ -1244,6 +1247,7 @@ class Bench:
         rec["cpu_machine_share"] = total / (t1 - t0) / (os.cpu_count() or 1)
 
     def _byte_stats(self, rec, workers, run, before, after):
+        from . import jobs
         o = self.o
         sizes = workers[0]["param_sizes"]
         el = predicted_elements(sizes, o.num_servers, self.bigarray_bound())
@@ -1274,6 +1278,7 @@ class Bench:
 
     # ---- whole run ----------------------------------------------------------------------
     def run(self):
+        from . import jobs
         from . import emunet
         o = self.o
         systems = [system_by_name(n) for n in o.systems]
@@ -1358,6 +1363,7 @@ class Bench:
     def _average_rates(self, rec):
         """Time-averaged server rates and worker rates (Mbit/s, one direction: the lower of
         up/down) over the timed window, from the base rates and the applied rate log."""
+        from . import jobs
         o = self.o
         t0, t1 = rec["window"]
         base = {n: o.rate for n in jobs.node_names(o.num_workers, o.num_servers) if n != "sched"}
@@ -1612,6 +1618,7 @@ def _plot_name(base, v, variants):
 def plot(summary, out_dir):
     """Per variant, rep 1: step times over wall time per system, bytes into each server per
     step (``step_times[-<variant>].png``, ``bytes_per_server[-<variant>].png``)."""
+    from . import jobs
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1824,6 +1831,7 @@ def options_from_args(a) -> Options:
 
 
 def main(a) -> int:
+    from . import jobs
     from . import emunet
     try:
         opts = options_from_args(a)

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from .. import jobs, runtime
+from .. import runtime
 
 MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models.json")
 #: what ``--write`` builds: the bench's models and the two larger zoo models users train
@@ -125,6 +125,7 @@ print("SIM_MODELS " + json.dumps(out))
 def build_zoo(names=ZOO, timeout=600.0):
     """Build the models with MXNet in a subprocess (the bench job's ``build``, which parses its
     own command line: it gets ``--kvstore local``) and return ``{name: {"keys": [...]}}``."""
+    from .. import jobs
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "MXPS_"))}
     env.update(jobs.QUIET_ENV)
     code = "import sys; sys.argv[1:] = ['--kvstore', 'local']; " \
