@@ -188,6 +188,15 @@ def test_adaptive_re_plans_after_a_link_changes_and_moves_state():
     assert j.moves[0]["round"] >= 3 and j.moves[0]["bytes"] > 0
 
 
+def test_a_moves_bytes_by_server_pair_sum_to_the_runtimes_moved_bytes():
+    from mxps.placement.adaptive import forced_table, moved_bytes
+    keys = list(enumerate(SIZES))
+    old, new = forced_table(keys, 3, 1), forced_table(keys, 3, 2)
+    pairs = Job._moves(old, new)
+    assert pairs and all(a != b for a, b in pairs)
+    assert sum(pairs.values()) == moved_bytes(old, new)
+
+
 def test_more_loss_never_speeds_up_an_incast_tcp_push():
     base = _job("native", [50e6], W=8, incast=True).mean_step()
     lossy = _job("native", [50e6], W=8, incast=True, loss_pct=5.0).mean_step()

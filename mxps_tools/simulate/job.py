@@ -79,7 +79,6 @@ class Job:
             adaptive = runtime.module("placement.adaptive")
             self.planner = adaptive.Replanner(self.S, self.W,
                                               rates=[2.0 * r for r in self.server_rates])
-            self._adaptive = adaptive
         self._build_network(shared_cores, node_cores)
         # backward: each key's ready time as a share of the backward pass
         order = model.backward_order()
@@ -405,8 +404,8 @@ class Job:
                                   max_chunk=chunk)
         if new is None:
             return
-        planned = self._adaptive.moved_bytes(self.table, new)
         flows = self._moves(self.table, new)
+        planned = sum(flows.values())       # adaptive.moved_bytes, by (from, to) pair
         t0 = self.env.now
         if flows:
             evs = []
