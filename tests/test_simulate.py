@@ -197,6 +197,24 @@ def test_a_moves_bytes_by_server_pair_sum_to_the_runtimes_moved_bytes():
     assert sum(pairs.values()) == moved_bytes(old, new)
 
 
+def test_a_push_term_measured_at_two_rates_is_interpolated_in_log_rate():
+    def grid(rate, lossy):
+        return {"rate_mbit": rate, "loss": [0.0, 1.0], "bytes": [1e6, 1e7],
+                "ratio": [[1.0, 1.0], [lossy, lossy]]}
+    c = Calibration.load()
+    data = dict(c.data, push_rounds={"tcp": [grid(400.0, 2.0), grid(100.0, 1.0)]})
+    c = Calibration(data)
+    mbit = 1e6 / 8.0
+    eff = [c.push_efficiency("tcp", 1.0, 4e6, "push_rounds", rate=r * mbit)
+           for r in (50.0, 100.0, 200.0, 400.0, 1000.0)]
+    # clamped at the measured rates; halfway in log rate between them: ratio 1.5
+    assert eff[0] == eff[1] == 1.0
+    assert eff[2] == pytest.approx(1.0 / 1.5)
+    assert eff[3] == eff[4] == pytest.approx(0.5)
+    # without loss both grids say 1.0 whatever the rate
+    assert c.push_efficiency("tcp", 0.0, 4e6, "push_rounds", rate=200 * mbit) == 1.0
+
+
 def test_more_loss_never_speeds_up_an_incast_tcp_push():
     base = _job("native", [50e6], W=8, incast=True).mean_step()
     lossy = _job("native", [50e6], W=8, incast=True, loss_pct=5.0).mean_step()

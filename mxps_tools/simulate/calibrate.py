@@ -10,8 +10,10 @@ None of them is a training step, so none is fitted to a scenario the model is va
 - ``push``: TCP through a switch port (``python -m mxps_tools.incast``, the push alone): 3
   senders each pushing a message split over 3 receivers per round, on the emulated network
   with the bench's default switch queue (50 ms) and its offloads (on, unless loss turns them
-  off), at 0, 1 and 5% loss, messages of 256 KB, 4 MB and 32 MB: the round's mean over the
-  ideal is the efficiency of a TCP push of that many bytes per sender and receiver.
+  off), at 0, 1 and 5% loss, messages of 256 KB, 4 MB and 32 MB, links of 100 and 400
+  Mbit/s: the round's mean over the ideal is the efficiency of a TCP push of that many bytes
+  per sender and receiver at that rate (what loss costs depends on the rate: 1% loss costs a
+  4 MB push 1.73x at 400 Mbit/s and 1.03x at 100).
 - ``net``: the emulated network's own interrupt and softirq CPU per GB, offloads on and off.
 - ``latency``: the idle round trip and the round trip across a link bulk flows keep busy.
 - ``incast9000``: the 8 -> 1 push alone at MTU 9000 (the incast term; at 1500 it comes from
@@ -34,6 +36,8 @@ from .calibration import CALIBRATION_FILE
 SIZES = ("256K", "4M", "32M")
 LOSSES = (0.0, 1.0, 5.0)
 QUEUE_MS = 50.0
+#: the link rates (Mbit/s) of the push rounds: the bench's slow link (R/4) and its R
+PUSH_RATES = (100.0, 400.0)
 W = R = 3
 
 
@@ -91,30 +95,31 @@ def per_message(workers=2, rounds=20, repeat=3, out_dir=None):
     return out
 
 
-def push_rounds(rounds=20, out_dir=None):
+def push_rounds(rate=400.0, rounds=20, out_dir=None):
     out_dir = out_dir or tempfile.mkdtemp(prefix="mxps-calib-")
     ratio = []
     for loss in LOSSES:
         row = []
         for size in SIZES:
-            path = os.path.join(out_dir, "tcp_%s_%g.json" % (size, loss))
+            path = os.path.join(out_dir, "tcp_%g_%s_%g.json" % (rate, size, loss))
             argv = [sys.executable, "-m", "mxps_tools.incast", "--transport", "tcp", "-W",
-                    str(W), "-R", str(R), "--message", size, "--queue-ms", str(QUEUE_MS),
-                    "--loss", str(loss), "--rounds", str(rounds), "--offloads", "--out", path]
-            _run(argv, "incast %s %g%%" % (size, loss))
+                    str(W), "-R", str(R), "--rate", "%g" % rate, "--message", size,
+                    "--queue-ms", str(QUEUE_MS), "--loss", str(loss), "--rounds", str(rounds),
+                    "--offloads", "--out", path]
+            _run(argv, "incast %g Mbit/s %s %g%%" % (rate, size, loss))
             with open(path) as f:
                 rec = json.load(f)
             row.append(rec["points"][0]["summary"]["mean_over_ideal"])
         ratio.append(row)
     sizes = [_bytes(s) / R for s in SIZES]
-    return {"loss": list(LOSSES), "bytes": sizes, "ratio": ratio,
-            "source": "python -m mxps_tools.incast --transport tcp -W %d -R %d --message "
-                      "{%s} --queue-ms %g --loss {%s} --rounds %d --offloads (on where the "
-                      "emulated network allows, as in mxps bench: not with loss): mean round "
-                      "over the ideal; "
+    return {"rate_mbit": rate, "loss": list(LOSSES), "bytes": sizes, "ratio": ratio,
+            "source": "python -m mxps_tools.incast --transport tcp -W %d -R %d --rate %g "
+                      "--message {%s} --queue-ms %g --loss {%s} --rounds %d --offloads (on "
+                      "where the emulated network allows, as in mxps bench: not with loss): "
+                      "mean round over the ideal; "
                       "bytes = the message over the receivers (per sender and receiver)"
-                      % (W, R, ",".join(SIZES), QUEUE_MS, ",".join("%g" % x for x in LOSSES),
-                         rounds)}
+                      % (W, R, rate, ",".join(SIZES), QUEUE_MS,
+                         ",".join("%g" % x for x in LOSSES), rounds)}
 
 
 def _host_softirq():
@@ -150,11 +155,18 @@ def network_cpu(rounds=20, message="32M", rate=10000.0, offloads=False):
                       "CPU-seconds (/proc/stat) over the run, per GB pushed"}
 
 
-def incast_grid(mtu, sizes=("256K", "4M"), losses=(0.0, 1.0, 5.0, 10.0), rounds=20,
+#: timed rounds of the incast grid's points, by message: a 32 MB round is 5 s of 8 senders
+#: at 400 Mbit/s
+INCAST_ROUNDS = {"256K": 20, "4M": 20, "32M": 5}
+
+
+def incast_grid(mtu, sizes=("256K", "4M", "32M"), losses=(0.0, 1.0, 5.0, 10.0),
                 out_dir=None):
     """The push alone, 8 -> 1 through a 2 ms switch queue, TCP and LTP, at ``mtu``: the
-    incast term at that MTU (docs/bench/ltp_push_alone_grid.json has it at 1500).  A point
-    already in ``out_dir`` is kept (a run resumes); a point that fails is tried once more."""
+    incast term at that MTU (docs/bench/ltp_push_alone_grid.json has it at 1500).  The 32 MB
+    point is there because a job's pushes to one server are tens of MB a step (a round of
+    4 MB ends in a tail that a longer push amortizes).  A point already in ``out_dir`` is kept
+    (a run resumes); a point that fails is tried once more."""
     out_dir = out_dir or os.path.join(tempfile.gettempdir(), "mxps-calib-incast%d" % mtu)
     os.makedirs(out_dir, exist_ok=True)
     grid = {}
@@ -166,7 +178,8 @@ def incast_grid(mtu, sizes=("256K", "4M"), losses=(0.0, 1.0, 5.0, 10.0), rounds=
                 path = os.path.join(out_dir, "%s_%s_%g.json" % (tr, size, loss))
                 argv = [sys.executable, "-m", "mxps_tools.incast", "--transport", tr, "-W", "8",
                         "-R", "1", "--mtu", str(mtu), "--message", size, "--queue-ms", "2",
-                        "--loss", str(loss), "--rounds", str(rounds), "--out", path]
+                        "--loss", str(loss), "--rounds", str(INCAST_ROUNDS[size]),
+                        "--out", path]
                 if not _has_point(path):
                     try:
                         _run(argv, "incast %s %s %g%%" % (tr, size, loss))
@@ -178,9 +191,10 @@ def incast_grid(mtu, sizes=("256K", "4M"), losses=(0.0, 1.0, 5.0, 10.0), rounds=
             ratio.append(row)
         grid[tr] = {"loss": list(losses), "bytes": [_bytes(x) for x in sizes], "ratio": ratio}
     grid["source"] = ("python -m mxps_tools.incast --transport {tcp,ltp} -W 8 -R 1 --mtu %d "
-                      "--message {%s} --queue-ms 2 --loss {%s} --rounds %d: mean round over "
-                      "the ideal" % (mtu, ",".join(sizes), ",".join("%g" % x for x in losses),
-                                     rounds))
+                      "--message {%s} --queue-ms 2 --loss {%s} --rounds {%s}: mean round "
+                      "over the ideal" % (mtu, ",".join(sizes),
+                                          ",".join("%g" % x for x in losses),
+                                          ",".join(str(INCAST_ROUNDS[x]) for x in sizes)))
     return grid
 
 
@@ -299,9 +313,12 @@ def main(what=DEFAULT):
         cal["push_alone_mtu9000"] = incast_grid(9000)
         cal["push_alone_mtu9000"].update(stamp)
     if "push" in what:
-        pr = push_rounds()
-        pr.update(stamp)
-        cal["push_rounds"] = {"tcp": pr}
+        grids = []
+        for rate in PUSH_RATES:
+            pr = push_rounds(rate)
+            pr.update(stamp)
+            grids.append(pr)
+        cal["push_rounds"] = {"tcp": grids}
     with open(CALIBRATION_FILE, "w") as f:
         json.dump(cal, f, indent=1)
     print(json.dumps({k: cal[k] for k in ("cpu_s_per_message", "push_rounds",

@@ -16,8 +16,11 @@ again on this machine (``mxps bench-server`` at two message sizes) and rewrites 
   incast and loss term, applied as the efficiency of a push that crosses a lossy or shallow
   switch port.
 - ``push_rounds``: the same through the bench's default switch queue, 3 senders -> 3
-  receivers (``mxps simulate --calibrate``): what TCP loses to its own dynamics (start-up of a
-  burst, ACK clocking through tbf, random loss) on the links of every other scenario.
+  receivers, at two link rates (``mxps simulate --calibrate``): what TCP loses to its own
+  dynamics (start-up of a burst, ACK clocking through tbf, random loss) on the links of every
+  other scenario.  What loss costs depends on the link's rate (1% costs a 4 MB push 1.73x
+  at 400 Mbit/s, 1.03x at 100), so a push's term is interpolated in log rate between the
+  measured rates (clamped at their edges).
 - ``emunet_cpu_s_per_gb``: what the emulated network (veths, bridge, tbf in softirq) costs
   the machine per GB beyond the processes' own CPU; only where every node shares one machine.
 - ``latency_s``: the emulated network's idle round trip, and its round trip across a link
@@ -79,9 +82,10 @@ class Calibration:
         return (mtu - over) / float(mtu + 14)
 
     def push_efficiency(self, transport, loss_pct, bytes_per_sender, grid="push_alone",
-                        mtu=None):
-        """Goodput over the ideal of a push at ``loss_pct`` (interpolated in the loss, and in
-        log bytes per sender, within the measured grid; clamped at its edges).  ``grid``:
+                        mtu=None, rate=None):
+        """Goodput over the ideal of a push at ``loss_pct`` (interpolated in the loss, in log
+        bytes per sender and, where the grid was measured at several link rates, in log
+        ``rate`` (bytes/s), within the measured grid; clamped at its edges).  ``grid``:
         ``push_alone`` (8 -> 1 through a 2 ms switch queue: incast) or ``push_rounds`` (3 -> 3
         through the bench's default 50 ms queue)."""
         if grid == "push_alone" and mtu and mtu != 1500 and \
@@ -90,22 +94,38 @@ class Calibration:
         grids = self.data.get(grid) or {}
         if transport not in grids:
             return 1.0
-        grid = grids[transport]                 # {"loss": [...], "bytes": [...], "ratio": [[]]}
+        per_rate = grids[transport]
+        if isinstance(per_rate, dict):          # one grid, one rate
+            return 1.0 / max(self._ratio(per_rate, loss_pct, bytes_per_sender), 1.0)
+        per_rate = sorted(per_rate, key=lambda g: g["rate_mbit"])
+        rates = [math.log(g["rate_mbit"] * 1e6 / 8.0) for g in per_rate]
+        x = rates[-1] if rate is None else math.log(max(rate, 1.0))
+        j0, j1, f = _interp(rates, x)
+        r = self._ratio(per_rate[j0], loss_pct, bytes_per_sender) * (1 - f) + \
+            self._ratio(per_rate[j1], loss_pct, bytes_per_sender) * f
+        return 1.0 / max(r, 1.0)
+
+    @staticmethod
+    def _ratio(grid, loss_pct, bytes_per_sender):
+        """A grid's round over the ideal ({"loss": [...], "bytes": [...], "ratio": [[]]}),
+        interpolated in the loss and in log bytes per sender."""
         losses, sizes, ratio = grid["loss"], grid["bytes"], grid["ratio"]
         lb = math.log(max(bytes_per_sender, 1.0))
         ls = [math.log(s) for s in sizes]
-
-        def interp(xs, x):
-            if x <= xs[0]:
-                return 0, 0, 0.0
-            if x >= xs[-1]:
-                return len(xs) - 1, len(xs) - 1, 0.0
-            j = bisect.bisect_right(xs, x)
-            return j - 1, j, (x - xs[j - 1]) / (xs[j] - xs[j - 1])
-        i0, i1, fi = interp(losses, loss_pct)
-        j0, j1, fj = interp(ls, lb)
+        i0, i1, fi = _interp(losses, loss_pct)
+        j0, j1, fj = _interp(ls, lb)
 
         def at(i):
             return ratio[i][j0] * (1 - fj) + ratio[i][j1] * fj
-        r = at(i0) * (1 - fi) + at(i1) * fi
-        return 1.0 / max(r, 1.0)
+        return at(i0) * (1 - fi) + at(i1) * fi
+
+
+def _interp(xs, x):
+    """The two indices of sorted ``xs`` around ``x`` and ``x``'s share between them
+    (clamped at the ends)."""
+    if x <= xs[0]:
+        return 0, 0, 0.0
+    if x >= xs[-1]:
+        return len(xs) - 1, len(xs) - 1, 0.0
+    j = bisect.bisect_right(xs, x)
+    return j - 1, j, (x - xs[j - 1]) / (xs[j] - xs[j - 1])

@@ -9,9 +9,10 @@ makes each key's gradient ready in the reverse of the layer order, in proportion
 sizes; a ready key's slices are queued on the connections to their servers, in the system's
 order (``systems``).  A server takes each push on its one I/O thread (``cpu_s_per_message`` per
 message, serially), and when every worker has pushed a slice it answers that slice's pulls
-(one message per worker).  A worker's step ends when its last pull has arrived and its
-backward is done (the bench job waits for every parameter before the next step: forward never
-overlaps the pulls).  A message arrives ``latency`` after its last byte leaves.
+(one message per worker; ps-lite acknowledges the pushes instead, and each worker's pull
+request follows the acknowledgement).  A worker's step ends when its last pull has arrived
+and its backward is done (the bench job waits for every parameter before the next step:
+forward never overlaps the pulls).  A message arrives ``latency`` after its last byte leaves.
 
 mxps-adaptive starts on the split of its start-up probe (the links' rates) and, after every
 round, gives the runtime's ``Replanner`` what the workers measured (bytes through each server
@@ -146,7 +147,8 @@ class Job:
                                                     mtu=self.mtu)
                     pw, ps_ = cw_push, cs_push
                 else:
-                    e = tcp_eff * self._tcp_push_efficiency(per_server[s])
+                    e = tcp_eff * self._tcp_push_efficiency(
+                        per_server[s], min(wc.up, self.server_rates[s]))
                     pw, ps_ = cw, cs
                 uses = [(up, 1.0 / e), (self.s_down[s], m / e), (w_cpu, wmul * pw),
                         (s_cpu[s], m * ps_)]
@@ -156,7 +158,8 @@ class Job:
                 # a pull is TCP from one server to many workers: no incast, no loss (the
                 # scenarios drop packets towards the servers), TCP's own round dynamics
                 e = tcp_eff * c.push_efficiency("tcp", 0.0, max(per_server[s], 1),
-                                                "push_rounds")
+                                                "push_rounds",
+                                                rate=min(self.server_rates[s], wc.down))
                 uses = [(self.s_up[s], m / e), (down, 1.0 / e), (w_cpu, wmul * cw),
                         (s_cpu[s], m * cs)]
                 if host is not None:
@@ -197,12 +200,14 @@ class Job:
         self._tcp_eff = tcp_eff
         self._s_cpu, self._cs = s_cpu, cs
 
-    def _tcp_push_efficiency(self, nbytes):
-        """A TCP push's goodput share through the switch: the calibrated many-to-one term with
-        the switch's shallow queue (incast), else only what random loss adds to it."""
+    def _tcp_push_efficiency(self, nbytes, rate):
+        """A TCP push's goodput share through the switch at the path's ``rate`` (bytes/s,
+        where the links start): the calibrated many-to-one term with the switch's shallow
+        queue (incast), else TCP's own dynamics and what random loss adds to them."""
         if self.incast:
-            return self.calib.push_efficiency("tcp", self.loss, nbytes, mtu=self.mtu)
-        return self.calib.push_efficiency("tcp", self.loss, nbytes, "push_rounds")
+            return self.calib.push_efficiency("tcp", self.loss, nbytes, mtu=self.mtu,
+                                              rate=rate)
+        return self.calib.push_efficiency("tcp", self.loss, nbytes, "push_rounds", rate=rate)
 
     def _delay(self, ci, s, push):
         """A message's delay from its last byte out to its arrival: the idle path's latency
@@ -372,6 +377,22 @@ class Job:
         self.net.send(self.server_io[s], self.W * self.msg_cost, answer)
 
     def _answer(self, cj, r, k, s, nbytes):
+        """Class ``cj``'s pull of slice (k, s): mxps answers it when the round's update is
+        done; ps-lite (native, P3) acknowledges the push then, and the worker's pull request
+        (after the acknowledgement's delay and its I/O thread) asks for it."""
+        if self.sys.kind != "native":
+            return self._pull(cj, r, k, s, nbytes)
+
+        def requested():
+            self.net.send(self.server_io[s], self.classes[cj].count * self.msg_cost,
+                          lambda: self._pull(cj, r, k, s, nbytes))
+
+        def acked():
+            self.net.send(self.worker_io[cj], self.worker_msg_cost,
+                          lambda: self._later(self._delay(cj, s, True), requested))
+        self._later(self._delay(cj, s, False), acked)
+
+    def _pull(self, cj, r, k, s, nbytes):
         st = self._rstate[(cj, r)]
 
         def arrived():
