@@ -53,6 +53,8 @@ def add_arguments(p):
                    help="simulate every measured scenario and compare (measured.json)")
     p.add_argument("--write-validated", action="store_true",
                    help="with --validate: record the pairs within 10%% (validated.json)")
+    p.add_argument("--markdown", action="store_true",
+                   help="with --validate: print the table as markdown (docs/bench/RESULTS.md)")
     p.add_argument("--predictions", metavar="OUT_DIR", default=None,
                    help="run the prediction grid and draw its plots into OUT_DIR")
     p.add_argument("--calibrate", action="store_true",
@@ -88,7 +90,7 @@ def main(a):
     if a.validate:
         from . import validate
         rows = validate.validate()
-        print(validate.format_rows(rows))
+        print(validate.format_markdown(rows) if a.markdown else validate.format_rows(rows))
         ok = [r for r in rows if validate.within(r)]
         sim = [r for r in rows if r.get("simulated") is not None]
         print("\n%d of %d simulated (scenario, system) pairs within %d%% of mxps bench "

@@ -108,6 +108,27 @@ def format_rows(rows, tolerance=TOLERANCE):
                         "speedup measured", "simulated / error", ""])
 
 
+def format_markdown(rows, tolerance=TOLERANCE):
+    """The same rows as a markdown table (docs/bench/RESULTS.md), within ``tolerance`` in
+    bold."""
+    out = ["| scenario | system | measured s | simulated s | error | speedup measured / "
+           "simulated (error) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("simulated") is None:
+            out.append("| %s | %s | %.3f | %s | | |" % (r["scenario"], r["system"],
+                                                       r["measured"], r.get("note", "")))
+            continue
+        err = "%+.1f%%" % (100 * r["error"])
+        if within(r, tolerance):
+            err = "**%s**" % err
+        sp = "-" if r["speedup_measured"] is None or r["speedup_simulated"] is None else \
+            "%.2fx / %.2fx (%+.0f%%)" % (r["speedup_measured"], r["speedup_simulated"],
+                                         100 * r["speedup_error"])
+        out.append("| %s | %s | %.3f | %.3f | %s | %s |" % (
+            r["scenario"], r["system"], r["measured"], r["simulated"], err, sp))
+    return "\n".join(out)
+
+
 def within(r, tolerance=TOLERANCE):
     return r.get("simulated") is not None and abs(r["error"]) <= tolerance and (
         r.get("speedup_error") is None or abs(r["speedup_error"]) <= tolerance)
