@@ -13,7 +13,7 @@ None of them is a training step, so none is fitted to a scenario the model is va
   off), at 0, 1 and 5% loss, messages of 256 KB, 4 MB and 32 MB, links of 100 and 400
   Mbit/s: the round's mean over the ideal is the efficiency of a TCP push of that many bytes
   per sender and receiver at that rate (what loss costs depends on the rate: 1% loss costs a
-  4 MB push 1.73x at 400 Mbit/s and 1.03x at 100).
+  4 MB message (1.4 MB per receiver) 1.61x at 400 Mbit/s and 1.04x at 100).
 - ``net``: the emulated network's own interrupt and softirq CPU per GB, offloads on and off.
 - ``latency``: the idle round trip and the round trip across a link bulk flows keep busy.
 - ``incast9000``: the 8 -> 1 push alone at MTU 9000 (the incast term; at 1500 it comes from

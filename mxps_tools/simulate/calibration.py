@@ -18,9 +18,9 @@ again on this machine (``mxps bench-server`` at two message sizes) and rewrites 
 - ``push_rounds``: the same through the bench's default switch queue, 3 senders -> 3
   receivers, at two link rates (``mxps simulate --calibrate``): what TCP loses to its own
   dynamics (start-up of a burst, ACK clocking through tbf, random loss) on the links of every
-  other scenario.  What loss costs depends on the link's rate (1% costs a 4 MB push 1.73x
-  at 400 Mbit/s, 1.03x at 100), so a push's term is interpolated in log rate between the
-  measured rates (clamped at their edges).
+  other scenario.  What loss costs depends on the link's rate (1% costs 1.4 MB per sender
+  and receiver 1.61x at 400 Mbit/s, 1.04x at 100), so a push's term is interpolated in log
+  rate between the measured rates (clamped at their edges).
 - ``emunet_cpu_s_per_gb``: what the emulated network (veths, bridge, tbf in softirq) costs
   the machine per GB beyond the processes' own CPU; only where every node shares one machine.
 - ``latency_s``: the emulated network's idle round trip, and its round trip across a link
