@@ -17,8 +17,9 @@ None of them is a training step, so none is fitted to a scenario the model is va
 - ``net``: the emulated network's own interrupt and softirq CPU per GB, offloads on and off.
 - ``latency``: the idle round trip and the round trip across a link bulk flows keep busy.
 - ``incast9000``: the 8 -> 1 push alone at MTU 9000 (the incast term; at 1500 it comes from
-  docs/bench/ltp_push_alone_grid.json). Not run by default: on a loaded machine it gave ratios
-  that did not grow with the loss (docs/SIMULATE.md).
+  docs/bench/ltp_push_alone_grid.json): ``python -m mxps_tools.simulate.calibrate
+  incast9000``. Not run by default (~15 min); it needs a quiet machine: beside another
+  process its TCP points come out up to 15% slower.
 
 The LTP per-datagram CPU and the CPU per byte stay as measured in docs/bench (their commands
 are in calibration.json).  Needs root (the emulated network); one benchmark at a time
