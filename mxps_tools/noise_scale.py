@@ -530,6 +530,19 @@ def aggregate(records: List[dict], times: Optional[dict], targets: Sequence[floa
 
 # --------------------------------------------------------------------------- report
 
+def _noise_table(cells, rows, workers, fmt):
+    """Markdown lines of a table with a row per noise cell and a column per W: ``fmt(row)``
+    of that cell's row at W (``rows``: dicts with ``cell`` and ``workers``), blank where the
+    grid has none."""
+    lines = ["| noise | " + " | ".join("W=%d" % w for w in workers) + " |",
+             "|---|" + "---|" * len(workers)]
+    for c in cells:
+        by = {r["workers"]: r for r in rows if r["cell"] == c}
+        lines.append("| %s | " % c + " | ".join(fmt(by[w]) if w in by else ""
+                                                 for w in workers) + " |")
+    return lines
+
+
 def _fmt_steps(row):
     if row["steps_median"] is None:
         if not row["reached"]:
@@ -603,51 +616,31 @@ def report(summary: dict) -> str:
               "of the finer curve grows with its number of points) / final test accuracy, % "
               "(medians over seeds); (uA cB of n): A runs "
               "unstable (a later epoch's mean training loss above ln 10, the initial loss), "
-              "B collapsed (final accuracy < 20%), of n:", "",
-              "| noise | " + " | ".join("W=%d" % w for w in workers) + " |",
-              "|---|" + "---|" * len(workers)]
-    for c in cells:
-        by = {r["workers"]: r for r in first if r["cell"] == c}
-        lines.append("| %s | " % c + " | ".join(
-            "%.1f / %.1f%s" % (100 * by[w]["epoch_peak_median"], 100 * by[w]["final_median"],
-                               " (u%d c%d of %d)" % (by[w]["unstable"], by[w]["collapsed"],
-                                                      by[w]["runs"])
-                               if by[w]["unstable"] or by[w]["collapsed"] else "")
-            if w in by else "" for w in workers) + " |")
+              "B collapsed (final accuracy < 20%), of n:", ""]
+    lines += _noise_table(cells, first, workers, lambda r: "%.1f / %.1f%s" % (
+        100 * r["epoch_peak_median"], 100 * r["final_median"],
+        " (u%d c%d of %d)" % (r["unstable"], r["collapsed"], r["runs"])
+        if r["unstable"] or r["collapsed"] else ""))
     lines.append("")
     for tgt in st["targets"]:
         sub = [r for r in rows if abs(r["target"] - tgt) < 1e-9]
         lines += ["## Target %g%%" % (100 * tgt), "",
                   "Steps to target, median (min-max) over seeds; `never (r/n)`: r of n seeds "
-                  "reached it:", "",
-                  "| noise | " + " | ".join("W=%d" % w for w in workers) + " |",
-                  "|---|" + "---|" * len(workers)]
-        for c in cells:
-            by = {r["workers"]: r for r in sub if r["cell"] == c}
-            lines.append("| %s | " % c + " | ".join(
-                _fmt_steps(by[w]) if w in by else "" for w in workers) + " |")
-        lines += ["", "Epochs to target (median):", "",
-                  "| noise | " + " | ".join("W=%d" % w for w in workers) + " |",
-                  "|---|" + "---|" * len(workers)]
-        for c in cells:
-            by = {r["workers"]: r for r in sub if r["cell"] == c}
-            lines.append("| %s | " % c + " | ".join(
-                ("%.2f" % by[w]["epochs_median"] if by[w]["epochs_median"] is not None
-                 else "never") if w in by else "" for w in workers) + " |")
+                  "reached it:", ""]
+        lines += _noise_table(cells, sub, workers, _fmt_steps)
+        lines += ["", "Epochs to target (median):", ""]
+        lines += _noise_table(cells, sub, workers, lambda r: "%.2f" % r["epochs_median"]
+                              if r["epochs_median"] is not None else "never")
         lines.append("")
         for name in summary["systems"]:
             lines += ["Time to accuracy, %s, seconds: median (min-max); `ideal` = steps(1) x "
-                      "step_time(1) / W of the clean cell:" % name, "",
-                      "| noise | " + " | ".join("W=%d" % w for w in workers) + " |",
-                      "|---|" + "---|" * len(workers)]
-            for c in cells:
-                by = {r["workers"]: r for r in sub if r["cell"] == c}
-                cellv = []
-                for w in workers:
-                    t = by[w]["tta"].get(name) if w in by else None
-                    cellv.append("" if t is None else "%s (%s-%s)" % (
-                        _s(t["median_s"]), _s(t["min_s"]), _s(t["max_s"])))
-                lines.append("| %s | " % c + " | ".join(cellv) + " |")
+                      "step_time(1) / W of the clean cell:" % name, ""]
+
+            def tta(r, name=name):
+                t = r["tta"].get(name)
+                return "" if t is None else "%s (%s-%s)" % (
+                    _s(t["median_s"]), _s(t["min_s"]), _s(t["max_s"]))
+            lines += _noise_table(cells, sub, workers, tta)
             clean = [sc for sc in agg["scaling"] if sc["kind"] == "none" and
                      abs(sc["target"] - tgt) < 1e-9]
             if clean and clean[0]["ideal_tta_s"].get(name):
