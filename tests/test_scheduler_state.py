@@ -684,10 +684,10 @@ def test_job_info_is_replaced_atomically(tmp_path):
 class Node:
     """A zmq DEALER playing one node towards the scheduler loop."""
 
-    def __init__(self, port, role, node_port):
+    def __init__(self, port, role, node_port, start_heartbeats=False):
         self.sock = transport.connect_dealer(LOOPBACK, port)
         body = {"role": role, "host": LOOPBACK, "port": node_port, "pid": os.getpid(),
-                "mode": "sync"}
+                "mode": "sync", "start_heartbeats": start_heartbeats}
         transport.send(self.sock, Header(MsgType.REGISTER), json.dumps(body).encode())
 
     def expect(self, type_, seconds=10.0):
@@ -764,6 +764,29 @@ def test_the_loop_aborts_the_job_when_mxps_job_info_cannot_be_written(tmp_path):
         thread.join(10)
 
 
+def test_the_loop_stays_after_an_abort_in_start_up_to_tell_a_late_node_why():
+    cfg = dataclasses.replace(make_cfg(workers=1, servers=1, heartbeat_interval=0.1,
+                                       heartbeat_timeout=0.5, start_timeout=60.0),
+                              root_port=free_port())
+    thread, result = run_loop(cfg)
+    server = Node(cfg.root_port, "server", 4321, start_heartbeats=True)   # then silent
+    worker = None
+    try:
+        assert "lost server ?" in server.expect(MsgType.ABORT).decode()
+        thread.join(1.0)
+        assert thread.is_alive(), "the scheduler left before the worker it expects came"
+        worker = Node(cfg.root_port, "worker", 0)      # still importing MXNet at the abort
+        reason = worker.expect(MsgType.ABORT).decode()
+        assert "lost server ? (127.0.0.1:4321, pid %d) during start-up" % os.getpid() in reason
+        thread.join(10)
+        assert not thread.is_alive() and result["code"] == EXIT_LOST_PEER
+    finally:
+        server.close()
+        if worker is not None:
+            worker.close()
+        thread.join(10)
+
+
 # -- start-up liveness and malformed input ------------------------------------------------------
 
 def test_a_node_that_heartbeats_while_waiting_is_lost_during_start_up_within_the_timeout():
@@ -780,6 +803,43 @@ def test_a_node_that_heartbeats_while_waiting_is_lost_during_start_up_within_the
     assert "lost server ? (127.0.0.1:1, pid 7) during start-up: no heartbeat for 10.5 s" \
         in step.exit.reason
     assert sorted(sent(step, MsgType.ABORT)) == [b"s0", b"w0"]
+
+
+def test_nodes_arriving_after_an_abort_in_start_up_are_told_why_until_all_came_or_the_deadline():
+    job = Job(make_cfg(start_timeout=60.0, heartbeat_timeout=3.0))
+    for ident, port in ((b"s0", 1), (b"s1", 2)):
+        job.send(ident, MsgType.REGISTER, {"role": "server", "host": LOOPBACK, "port": port,
+                                           "pid": port, "mode": "sync",
+                                           "start_heartbeats": True})
+    job.send(b"s0", MsgType.HEARTBEAT, after=2.0)
+    step = job.tick(1.5)                                # s1 silent 3.5 s: lost in start-up
+    assert step.exit.code == EXIT_LOST_PEER and "lost server ?" in step.exit.reason
+    reason = step.exit.reason
+    # both workers are still on their way (importing MXNet): the scheduler stays for them
+    assert job.state.expects_late(job.now)
+    step = job.register(b"w0", "worker", after=5.0)
+    assert sent(step, MsgType.ABORT) == {b"w0": [reason]} and step.exit is None
+    assert sent(job.register(b"w0", "worker"), MsgType.ABORT) == {}     # told once
+    assert sent(job.send(b"x", MsgType.HEARTBEAT), MsgType.ABORT) == {}   # not a registration
+    assert job.state.expects_late(job.now)
+    assert sent(job.register(b"w1", "worker"), MsgType.ABORT) == {b"w1": [reason]}
+    assert not job.state.expects_late(job.now)          # everyone expected has been told
+
+    # a node that never comes: the scheduler leaves at the start deadline
+    job = Job(make_cfg(start_timeout=60.0, heartbeat_timeout=3.0))
+    job.send(b"s0", MsgType.REGISTER, {"role": "server", "host": LOOPBACK, "port": 1, "pid": 1,
+                                      "mode": "sync", "start_heartbeats": True})
+    assert job.tick(3.5).exit.code == EXIT_LOST_PEER
+    assert job.state.expects_late(T0 + 59.0) and not job.state.expects_late(T0 + 60.0)
+
+
+def test_a_job_that_ended_after_its_start_expects_nobody():
+    job = Job(make_cfg(workers=1, servers=1))
+    job.register(b"s0", "server")
+    job.register(b"w0", "worker")
+    step = job.send(b"s0", MsgType.ABORT, "s0 failed")
+    assert step.exit.code != 0 and not job.state.expects_late(job.now)
+    assert sent(job.register(b"w9", "worker"), MsgType.ABORT) == {}
 
 
 @pytest.mark.parametrize("body", [b"", b"\xff\xfe", b"[]", b"null", b'{"role": "worker"}',

@@ -89,15 +89,16 @@ class Scheduler:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         wait_ms = int(self.cfg.heartbeat_interval * 1000 / 2)
+        code = None
         while True:
             if poll_forever(poller, wait_ms):
                 while self.sock.poll(0):
                     step = self._receive()
-                    code = None if step is None else self._do(step)
-                    if code is not None:
-                        return code
-            code = self._do(self.state.tick(time.monotonic()))
-            if code is not None:
+                    if step is not None:
+                        code = _first(code, self._do(step))
+            code = _first(code, self._do(self.state.tick(time.monotonic())))
+            # aborted in start-up, the job may still expect nodes: they are told why
+            if code is not None and not self.state.expects_late(time.monotonic()):
                 return code
 
     def _receive(self):
@@ -121,6 +122,10 @@ class Scheduler:
             return self._serve()
         finally:
             self.sock.close(linger=1000)
+
+
+def _first(code, new):
+    return new if code is None else code
 
 
 def run(cfg):

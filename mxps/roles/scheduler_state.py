@@ -274,6 +274,7 @@ class SchedulerState(Failover):
         self.leave_deadline = None
         self.malformed = 0         # messages of nodes dropped as malformed (body, or type)
         self.strangers = 0         # messages of connections that are not nodes, ignored
+        self.told_late = set()     # after an abort in start-up: late arrivals told why
         self._now = now
         self._step = None
 
@@ -284,7 +285,7 @@ class SchedulerState(Failover):
         node = self.nodes.get(ident)
         try:
             if self.exit is not None:
-                pass
+                self._tell_late(ident, node, header)
             elif self.leaving is not None:
                 if node is not None:
                     self._on_leaving(node, header)
@@ -346,6 +347,23 @@ class SchedulerState(Failover):
         elif not self._check_plan_deadline():
             self._check_heartbeats()
         return self._end()
+
+    def expects_late(self, now):
+        """Whether the job, aborted during start-up, still expects nodes that had not
+        registered yet: until each has registered (and been told why the job ended) or the
+        start deadline passed, the scheduler stays to answer them, so a node that arrives
+        after the abort fails at once naming the cause, not at its own start timeout."""
+        return (self.exit is not None and self.exit.code != 0 and self.started_at is None
+                and now < self.start_deadline
+                and len(self.nodes) + len(self.told_late) < sum(self.want.values()))
+
+    def _tell_late(self, ident, node, header):
+        """After the job ended in start-up: a node that registers now gets the reason."""
+        if node is not None or ident in self.told_late or header.type != MsgType.REGISTER or \
+                self.started_at is not None or self.exit.code == 0:
+            return
+        self.told_late.add(ident)
+        self._step.sends.append(Send(ident, Header(MsgType.ABORT), self.exit.reason.encode()))
 
     def abort(self, reason, now):
         """End the job from outside the protocol (the loop's own failure), naming ``reason``."""
