@@ -10,9 +10,10 @@ time, in phases, with a pause between them:
   of 256 KiB gradients, PULLs, INITs, PROBEs), reconnecting whenever the server closes the
   connection, as fast as the senders can;
 - ``outsider``: with the secret, from connection identities that are no node of the job
-  (``worker:<n>`` beyond the job's workers, which the data plane's handshake lets through:
-  a name of a node's form and a token made with the secret): the same well-formed requests,
-  sealed as a node seals them (mxps.wire.seal), as fast as the server takes them;
+  (``worker:<n>`` beyond the job's workers, with tokens made with the secret, which the data
+  plane's handshake refuses for the name): the same well-formed requests, sealed as a node
+  seals them (mxps.wire.seal), as fast as the sender's queue takes them (its ``MXPS_HWM``
+  messages stay queued at the sender while zmq reconnects and is refused again);
 - ``slow``: the same, sending PULLs and 1 MiB PROBEs (which a server echoes to its workers)
   and never reading a reply.
 

@@ -11,8 +11,8 @@ two modes, one after the other:
   greetings claiming CURVE followed by garbage handshakes, mutated and truncated greetings,
   frame headers claiming huge frames, plain random bytes; many connections.
 - ``outsider``: with the job's secret (the scheduler's CURVE handshake passes; at a server the
-  data plane's handshake passes for a name of a node's form, ``worker:7``, and its messages are
-  sealed as a node seals them) but a connection identity that is no node of the job
+  data plane's handshake refuses the name, ``worker:7``, beyond the job's ranks, though its
+  token is valid) but a connection identity that is no node of the job
   (``fuzz:<n>``, ``worker:7``, ``server:01``, zmq's own random one):
   mxps messages of every type in their valid form and mutated (header fields, bit flips,
   payload cut or grown, frames dropped, added or split), truncated headers, random frames,
@@ -337,9 +337,8 @@ def attack_outsider(targets, frames_per_target, corpus, rng, tally, deadline, se
         n_ident[0] += 1
         ident = _stranger(rng, n_ident[0], members)
         if name in nonces:
-            # a server's data plane: its handshake refuses a name not of a node's form (a
-            # connection that would only stall here), so the strangers' names are of that
-            # form, beyond the job, and their messages are sealed
+            # a server's data plane: names of a node's form beyond the job, with valid
+            # tokens: its handshake refuses them (the name, not the token), each logged
             ident = rng.choice([b"worker:", b"server:"]) + str(rng.randint(2, 99)).encode()
             sock = tcp.new_data_dealer(settings, ident, nonces[name])
         else:

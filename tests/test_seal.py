@@ -175,13 +175,35 @@ def test_a_token_admits_its_node_once_per_address_and_a_wrong_secrets_never():
                            b"10.0.0.1")
 
 
+def test_a_gate_that_knows_the_job_refuses_names_beyond_it_naming_why():
+    nonce = os.urandom(16)
+    gate = auth.DataGate(CREDS, nonce, job={"worker": 2, "server": 3})
+
+    def token(name):
+        return CREDS.token(name, nonce, os.urandom(16))
+
+    for name in (b"worker:0", b"worker:1", b"server:0", b"server:2"):
+        assert gate.admits(b"PLAIN", [name, token(name)], b"10.0.0.1"), name
+    for name in (b"worker:2", b"worker:100", b"server:3"):
+        assert not gate.admits(b"PLAIN", [name, token(name)], b"10.0.0.1"), name
+        assert gate.refusal == "it names %s, no node of this job (2 workers, 3 servers)" % (
+            name.decode())
+    assert not gate.admits(b"PLAIN", [b"worker:1", OTHER.token(b"worker:1", nonce,
+                                                                os.urandom(16))], b"10.0.0.1")
+    assert gate.refusal == auth.DataGate.BAD_TOKEN
+    # without the job's counts (a socket of its own, as the fuzzers bind) any rank is a name
+    assert auth.DataGate(CREDS, nonce).admits(b"PLAIN", [b"worker:100", token(b"worker:100")],
+                                              b"10.0.0.1")
+
+
 def test_over_sockets_only_the_jobs_nodes_get_a_message_through():
     settings = tcp.Settings(CREDS)
-    server, port, nonce = tcp.bind_data("127.0.0.1", settings)
+    server, port, nonce = tcp.bind_data("127.0.0.1", settings, job={"worker": 1, "server": 1})
     socks = []
     try:
         values = np.arange(600000, dtype=np.float32)           # three frames
-        for creds, plain in ((OTHER, False), (None, True)):
+        # another secret; no secret; the job's secret as worker 1 of a job of one worker
+        for creds, plain in ((OTHER, False), (None, True), (CREDS, False)):
             s = (tcp.connect_dealer("127.0.0.1", port, tcp.PLAIN, b"worker:1") if plain else
                  tcp.connect_data("127.0.0.1", port, tcp.Settings(creds), b"worker:1", nonce))
             socks.append(s)

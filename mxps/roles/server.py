@@ -84,7 +84,8 @@ class Server:
     def __init__(self, cfg):
         host = cfg.node_host or transport.local_address_towards(cfg.root_uri, cfg.root_port)
         settings = transport.Settings.from_config(cfg)
-        self.sock, self.port, nonce = transport.bind_data(host, settings)
+        self.sock, self.port, nonce = transport.bind_data(
+            host, settings, job={"worker": cfg.num_workers, "server": cfg.num_servers})
         self.link = SchedulerLink(cfg, "server", settings)
         # a resumed store: the checkpoints each server directory here can return to, so that
         # the scheduler picks the round every server can (docs/STORE.md)

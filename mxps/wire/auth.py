@@ -117,17 +117,24 @@ class Credentials:
 
 class DataGate:
     """Who may connect to one server's data socket (the ZAP side of its PLAIN handshake): a
-    node whose token verifies under the job's data key for this server process.  A token is
-    taken again only from the address that first used it (zmq reconnects with the same one
-    after a network hiccup), so one seen on the wire does not let anyone else in."""
+    node of the job (``worker:<rank>``, ``server:<rank>``, the rank below the job's count of
+    that role when ``job`` gives the counts) whose token verifies under the job's data key for
+    this server process.  A token is taken again only from the address that first used it
+    (zmq reconnects with the same one after a network hiccup), so one seen on the wire does
+    not let anyone else in.  A name beyond the job is refused before its token is checked: a
+    holder of the secret cannot open sessions the server would only drop message by message
+    (whose queues, at MXPS_HWM messages each, are what a flood of them fills)."""
 
-    refusal = "its token does not verify (a different MXPS_SECRET?)"
+    BAD_TOKEN = "its token does not verify (a different MXPS_SECRET?)"
 
-    def __init__(self, creds, server_nonce):
+    def __init__(self, creds, server_nonce, job=None):
         self.creds = creds
         self.server_nonce = server_nonce
         self.domain = b"mxps-data-" + server_nonce.hex().encode()
         self.used = {}                       # token random -> the address that used it
+        # {b"worker": DMLC_NUM_WORKER, b"server": DMLC_NUM_SERVER}, or None: any rank
+        self.job = None if job is None else {k.encode(): int(v) for k, v in job.items()}
+        self.refusal = self.BAD_TOKEN        # why the last refused handshake was refused
 
     def serve(self, sock):
         """Make ``sock`` (not yet bound) a PLAIN server asking this gate."""
@@ -138,14 +145,24 @@ class DataGate:
         if mechanism != b"PLAIN" or len(credentials) != 2:
             return False
         name, password = credentials
-        if _NODE.match(name) is None or len(password) != 48:
+        node = _NODE.match(name)
+        if node is None or len(password) != 48:
+            self.refusal = self.BAD_TOKEN
+            return False
+        if self.job is not None and int(node.group(2)) >= self.job[node.group(1)]:
+            self.refusal = "it names %s, no node of this job (%d workers, %d servers)" % (
+                name.decode(), self.job[b"worker"], self.job[b"server"])
             return False
         random = password[:16]
         want = self.creds.token(name, self.server_nonce, random)
         if not hmac.compare_digest(password, want):
+            self.refusal = self.BAD_TOKEN
             return False
         first = self.used.setdefault(random, address)
-        return first == address
+        if first != address:
+            self.refusal = "its token was first used from another address (a replay?)"
+            return False
+        return True
 
 
 class Tally:

@@ -167,17 +167,18 @@ def bind_router(host, port=None, settings=PLAIN, who="node", _data=None):
     return sock, port
 
 
-def bind_data(host, settings, who="server"):
+def bind_data(host, settings, who="server", job=None):
     """A server's data socket: (sock, port, nonce).  With credentials it is a PLAIN server
-    admitting the job's tokens for this process (``auth.DataGate``; refusals are logged with
-    their address) and every message is sealed (``seal.ServerSeal``); ``nonce`` (16 random
-    bytes, b"" without a secret) goes to the clients through the scheduler."""
+    admitting the job's tokens for this process (``auth.DataGate``; with ``job``,
+    ``{"worker": n, "server": m}``, only the names of the job's nodes; refusals are logged
+    with their address) and every message is sealed (``seal.ServerSeal``); ``nonce`` (16
+    random bytes, b"" without a secret) goes to the clients through the scheduler."""
     if settings.credentials is None:
         sock, port = bind_router(host, None, settings, who)
         return sock, port, b""
     nonce = os.urandom(seal.RANDOM)
     sock, port = bind_router(host, None, settings, who, _data=(
-        auth.DataGate(settings.credentials, nonce),
+        auth.DataGate(settings.credentials, nonce, job),
         seal.ServerSeal(settings.credentials.data_key, nonce, FRAME_BYTES)))
     return sock, port, nonce
 
