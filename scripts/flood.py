@@ -122,9 +122,14 @@ def send_zmq(host, port, kit, identity, nonce, seconds, stats, slow):
     tcp, auth = runtime.module("wire.tcp"), runtime.module("wire.auth")
     with open(kit["secret_file"], "rb") as f:
         settings = tcp.Settings(auth.Credentials(f.read().strip()))
-    sock = tcp.connect_data(host, port, settings, identity, nonce)
-    sock.setsockopt(zmq.LINGER, 0)
-    stats["connections"] += 1
+
+    def connect():
+        s = tcp.connect_data(host, port, settings, identity, nonce)
+        s.setsockopt(zmq.LINGER, 0)
+        stats["connections"] += 1
+        return s
+
+    sock = connect()
     stats["started"] = time.time()            # after the imports
     until = time.monotonic() + seconds
     msgs = _frames(kit["slow" if slow else "requests"])
@@ -132,14 +137,20 @@ def send_zmq(host, port, kit, identity, nonce, seconds, stats, slow):
     try:
         while time.monotonic() < until:
             m = msgs[i % len(msgs)]
-            if sock.poll(100, zmq.POLLOUT):
+            try:
+                if not sock.poll(100, zmq.POLLOUT):
+                    raise zmq.Again()
                 sock.send_multipart(sock.seal.seal(m[0], m[1:]), flags=zmq.DONTWAIT,
                                     copy=False)
                 stats["messages"] += 1
                 stats["bytes"] += sum(len(f) for f in m)
                 i += 1
-            else:
+            except zmq.Again:
+                # the queue is full: a server that refused the handshake takes nothing, so
+                # the sender connects again (and is refused again), as a flooder would
                 stats["blocked_ms"] += 100
+                sock.close(0)
+                sock = connect()
             if not slow:
                 while sock.poll(0):
                     sock.recv_multipart()

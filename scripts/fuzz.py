@@ -366,7 +366,11 @@ def attack_outsider(targets, frames_per_target, corpus, rng, tally, deadline, se
                 sock = entry[1] if kind == "oversized" else entry[0]
                 if isinstance(sock, tcp.SealedSocket):
                     frames = sock.seal.seal(frames[0], frames[1:])
-                if _send(sock, frames, zmq, wait_ms=0 if kind == "oversized" else 2000):
+                # a server refuses these connections in the handshake: their queues only fill
+                # (MXPS_HWM messages) and a full one is replaced by a new connection at once
+                wait_ms = 0 if kind == "oversized" or isinstance(sock, tcp.SealedSocket) \
+                    else 2000
+                if _send(sock, frames, zmq, wait_ms=wait_ms):
                     tally.sent(name, kind, frames)
                     left[name] -= len(frames)
                 else:

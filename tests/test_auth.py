@@ -412,33 +412,41 @@ def _until_logged(job, node, kind, port, nonce, tries=20):
 
 def _garbage(ports, nonces):
     """Malformed messages from a peer that has the secret; the nodes must drop them.  To a
-    server, ``raw`` frames are not sealed (refused by the seal) and ``sealed`` ones are."""
-    socks = []
+    server, ``raw`` frames are not sealed (refused by the seal) and ``sealed`` ones are.  A
+    server's handshake admits only the names of the job's nodes: the garbage goes under names
+    of this job that no node uses here (servers connect to each other only to move state,
+    which this job never does), one connection per name and server (zmq refuses a second
+    connection under a name in use), and one name beyond the job is refused in the handshake."""
+    socks = {}
+
+    def sock_for(target, ident):
+        if target == "sched" or (target, ident) not in socks:
+            sock = _connect_from(_rogue("garbage", ident, nonces.get(target)), "garbage",
+                                 ports[target])
+            socks[(target, ident) if target != "sched" else len(socks)] = sock
+            return sock
+        return socks[(target, ident)]
 
     def raw(target, ident, *frames):
-        sock = _connect_from(_rogue("garbage", ident, nonces.get(target)), "garbage",
-                             ports[target])
-        sock.send_multipart(list(frames))
-        socks.append(sock)
+        sock_for(target, ident).send_multipart(list(frames))
 
     def sealed(target, ident, header, payload=None):
-        sock = _connect_from(_rogue("garbage", ident, nonces[target]), "garbage", ports[target])
-        tcp.send(sock, header, payload)
-        socks.append(sock)
+        tcp.send(sock_for(target, ident), header, payload)
 
     bad_magic = b"XXXX" + Header(MsgType.PUSH).pack()[4:]
-    for target, ident in (("sched", None), ("s0", b"worker:7"), ("s1", None), ("s0", None)):
+    for target, ident in (("sched", None), ("s0", b"server:1"), ("s1", b"server:1")):
         raw(target, ident, b"\x01\x02\x03")                       # a 3-byte frame
-        raw(target, None, bad_magic)
-        raw(target, None, Header(MsgType.PULL).pack(), b"x", b"y")  # three frames
+        raw(target, ident, bad_magic)
+        raw(target, ident, Header(MsgType.PULL).pack(), b"x", b"y")  # three frames
     raw("sched", None, Header(MsgType.REGISTER).pack(), b"\xff\xfe not json")
     raw("sched", None, Header(MsgType.REGISTER).pack(), b"[1, 2, 3]")
     raw("sched", None, Header(MsgType.REGISTER).pack())            # no body at all
     sealed("s0", b"worker:8", Header(MsgType.PULL, key=0, length=4))   # no such worker
     sealed("s1", b"server:0", Header(MsgType.PUSH, key=0))     # a server may not push
     sealed("s1", b"server:1", Header(MsgType.MIGRATE, key=0, plan_version=99), b"\x00 not a part")
-    raw("s0", b"worker:9", Header(MsgType.PUSH, key=0).pack(), bytes(2 * tcp.FRAME_BYTES))
-    for sock in socks:
+    # a frame over the bound: zmq drops the connection (last on it)
+    raw("s0", b"server:1", Header(MsgType.PUSH, key=0).pack(), bytes(2 * tcp.FRAME_BYTES))
+    for sock in socks.values():
         sock.close(linger=10000)   # zmq delivers what is queued, then closes
 
 
@@ -585,7 +593,9 @@ def test_worker_with_a_wrong_or_no_secret_fails_fast_saying_why(attacked_job, na
     ("sched", "dropped a malformed message"),
     ("sched", "dropped .*REGISTER"),       # a body that does not parse
     ("s0", "dropped a malformed message"), ("s1", "dropped a malformed message"),
-    ("s0", "b'worker:8' is not a node of this job"), ("s1", "server 0 may not send PUSH")])
+    ("s0", r"refused a connection from 127\.0\.0\.23: it names worker:8, no node of this job "
+           r"\(2 workers, 2 servers\)"),
+    ("s1", "server 0 may not send PUSH")])
 def test_garbage_from_a_node_with_the_secret_is_dropped_and_logged(attacked_job, node, what):
     assert re.search(what, attacked_job["logs"][node]), attacked_job["logs"][node][-3000:]
 
