@@ -191,6 +191,8 @@ def test_a_gate_that_knows_the_job_refuses_names_beyond_it_naming_why():
     assert not gate.admits(b"PLAIN", [b"worker:1", OTHER.token(b"worker:1", nonce,
                                                                 os.urandom(16))], b"10.0.0.1")
     assert gate.refusal == auth.DataGate.BAD_TOKEN
+    assert not gate.admits(b"CURVE", [b"x" * 32], b"10.0.0.1")
+    assert gate.refusal == "it offered no name and token (mechanism CURVE)"
     # without the job's counts (a socket of its own, as the fuzzers bind) any rank is a name
     assert auth.DataGate(CREDS, nonce).admits(b"PLAIN", [b"worker:100", token(b"worker:100")],
                                               b"10.0.0.1")

@@ -143,6 +143,8 @@ class DataGate:
 
     def admits(self, mechanism, credentials, address):
         if mechanism != b"PLAIN" or len(credentials) != 2:
+            self.refusal = "it offered no name and token (mechanism %s)" % (
+                mechanism.decode(errors="replace"))
             return False
         name, password = credentials
         node = _NODE.match(name)
