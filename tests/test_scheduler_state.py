@@ -824,6 +824,7 @@ def test_nodes_arriving_after_an_abort_in_start_up_are_told_why_until_all_came_o
     assert job.state.expects_late(job.now)
     assert sent(job.register(b"w1", "worker"), MsgType.ABORT) == {b"w1": [reason]}
     assert not job.state.expects_late(job.now)          # everyone expected has been told
+    assert sent(job.register(b"w9", "worker"), MsgType.ABORT) == {}    # the scheduler leaves
 
     # a node that never comes: the scheduler leaves at the start deadline
     job = Job(make_cfg(start_timeout=60.0, heartbeat_timeout=3.0))

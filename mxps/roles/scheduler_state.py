@@ -360,7 +360,7 @@ class SchedulerState(Failover):
     def _tell_late(self, ident, node, header):
         """After the job ended in start-up: a node that registers now gets the reason."""
         if node is not None or ident in self.told_late or header.type != MsgType.REGISTER or \
-                self.started_at is not None or self.exit.code == 0:
+                not self.expects_late(self._now):
             return
         self.told_late.add(ident)
         self._step.sends.append(Send(ident, Header(MsgType.ABORT), self.exit.reason.encode()))
